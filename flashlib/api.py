@@ -1,0 +1,195 @@
+"""The contract every implementation shares, the registry behind ``impl=``, and ``attention()`` itself.
+
+``q [batch, heads, q_len, head_dim]``, ``k, v [batch, heads, kv_len, head_dim]`` → ``out`` like ``q``.
+Validation happens once, here, so an implementation can assume well-formed input and a reader gets a
+message naming the argument and the fix instead of a stack trace from deep inside a kernel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flashlib import env
+
+__all__ = [
+    "SUPPORTED_DTYPES",
+    "AttentionShape",
+    "Implementation",
+    "attention",
+    "check_positive_ints",
+    "get_implementation",
+    "implementations",
+    "register",
+    "validate_inputs",
+]
+
+SUPPORTED_DTYPES: tuple[str, ...] = ("float32", "bfloat16")
+OptionChecker = Callable[["AttentionShape", Mapping[str, Any]], None]
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """The validated sizes of one attention call."""
+
+    batch: int
+    heads: int
+    q_len: int
+    kv_len: int
+    head_dim: int
+    dtype: str
+
+
+@dataclass(frozen=True)
+class Implementation:
+    """One registered stage of the series.
+
+    ``fn(q, k, v, *, causal, scale, **options)`` computes attention; ``options`` names the extra keyword
+    options it accepts; ``check_options`` (if any) validates their values before ``fn`` runs;
+    ``native_on`` lists the backends where it is a compiled, first-class choice, and ``auto_priority``
+    orders those candidates for ``impl="auto"``.
+    """
+
+    name: str
+    fn: Callable[..., jax.Array]
+    description: str
+    options: tuple[str, ...] = ()
+    check_options: OptionChecker | None = None
+    native_on: tuple[str, ...] = ()
+    auto_priority: int = 0
+
+
+_REGISTRY: dict[str, Implementation] = {}
+
+
+def register(
+    name: str,
+    *,
+    description: str,
+    options: tuple[str, ...] = (),
+    check_options: OptionChecker | None = None,
+    native_on: tuple[str, ...] = (),
+    auto_priority: int = 0,
+) -> Callable[[Callable[..., jax.Array]], Callable[..., jax.Array]]:
+    """Decorator: register ``fn`` as ``impl=name``. Re-registering a name replaces it (handy in notebooks)."""
+
+    def decorate(fn: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+        _REGISTRY[name] = Implementation(
+            name=name,
+            fn=fn,
+            description=description,
+            options=tuple(options),
+            check_options=check_options,
+            native_on=tuple(native_on),
+            auto_priority=auto_priority,
+        )
+        return fn
+
+    return decorate
+
+
+def implementations() -> dict[str, str]:
+    """``{name: one-line description}`` of every registered implementation, in registration order."""
+    return {name: impl.description for name, impl in _REGISTRY.items()}
+
+
+def get_implementation(impl: str = "auto") -> Implementation:
+    """Resolve a name (or ``"auto"``: the best native implementation for the current backend)."""
+    if impl == "auto":
+        here = env.backend()
+        native = [i for i in _REGISTRY.values() if here in i.native_on]
+        if not native:
+            raise RuntimeError(f"no implementation is registered as native on backend {here!r}")
+        return max(native, key=lambda i: i.auto_priority)
+    if impl not in _REGISTRY:
+        valid = ", ".join(repr(n) for n in ["auto", *_REGISTRY])
+        raise ValueError(f"impl={impl!r} is not a registered implementation; choose one of {valid}")
+    return _REGISTRY[impl]
+
+
+def validate_inputs(q: Any, k: Any, v: Any, *, scale: float | None = None) -> AttentionShape:
+    """Check ``q, k, v`` against the contract; raise ``ValueError`` naming the argument and the fix."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise ValueError(f"{name} must be an array, got {type(x).__name__}")
+        if len(x.shape) != 4:
+            raise ValueError(
+                f"{name} must have rank 4 [batch, heads, seq, head_dim], got shape {tuple(x.shape)}; "
+                f"add the missing axes, e.g. {name}[None, None] for a single [seq, head_dim] matrix"
+            )
+        dtype = np.dtype(x.dtype).name
+        if dtype not in SUPPORTED_DTYPES:
+            fix = "cast to bfloat16 (TPUs have no float16 matmul path)" if dtype == "float16" else "cast to float32"
+            raise ValueError(f"{name} has dtype {dtype}; supported dtypes are {', '.join(SUPPORTED_DTYPES)}: {fix}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(
+            f"q, k and v must share one dtype, got q {np.dtype(q.dtype).name}, k {np.dtype(k.dtype).name}, "
+            f"v {np.dtype(v.dtype).name}; cast them to the same dtype"
+        )
+    (b, h, q_len, d), (bk, hk, kv_len, dk), (bv, hv, v_len, dv) = q.shape, k.shape, v.shape
+    for axis, qs, ks, vs in (("batch", b, bk, bv), ("heads", h, hk, hv)):
+        if not qs == ks == vs:
+            raise ValueError(
+                f"q, k and v must have the same number of {axis} (axis {0 if axis == 'batch' else 1}), got "
+                f"q {qs}, k {ks}, v {vs}"
+                + ("; repeat k and v along the heads axis for grouped-query attention" if axis == "heads" else "")
+            )
+    if kv_len != v_len:
+        raise ValueError(f"k and v must have the same sequence length (axis 2), got k {kv_len}, v {v_len}")
+    if not d == dk == dv:
+        raise ValueError(f"q, k and v must have the same head_dim (axis 3), got q {d}, k {dk}, v {dv}")
+    if min(q_len, kv_len, d) < 1:
+        raise ValueError(f"empty input: q_len {q_len}, kv_len {kv_len}, head_dim {d}; every size must be >= 1")
+    if scale is not None and not (isinstance(scale, (int, float)) and np.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a positive finite number or None (1/sqrt(head_dim)), got {scale!r}")
+    return AttentionShape(b, h, q_len, kv_len, d, np.dtype(q.dtype).name)
+
+
+def check_positive_ints(shape: AttentionShape, options: Mapping[str, Any]) -> None:
+    """Option checker for block sizes: every given option must be a positive int."""
+    del shape
+    for name, value in options.items():
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}; e.g. {name}=128")
+
+
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    impl: str = "auto",
+    **options: Any,
+) -> jax.Array:
+    """Softmax attention ``softmax(q k^T * scale [+ causal mask]) v``, by the implementation you choose.
+
+    Args:
+      q: queries ``[batch, heads, q_len, head_dim]``, float32 or bfloat16.
+      k, v: keys and values ``[batch, heads, kv_len, head_dim]``, same dtype; ``kv_len`` may differ from
+        ``q_len``.
+      causal: mask future keys. With ``q_len != kv_len`` the mask is bottom-right aligned: query ``i``
+        sees keys ``j <= i + kv_len - q_len`` (the KV-cache convention of FlashAttention >= 2.1). A query
+        that sees no key at all gets an output row of zeros.
+      scale: multiplies the scores; default ``1 / sqrt(head_dim)``.
+      impl: a name from :func:`implementations` or ``"auto"`` (the best native one for this backend).
+      **options: implementation-specific, e.g. ``block_q=``/``block_k=`` for ``"blockwise"``.
+
+    Returns:
+      ``out [batch, heads, q_len, head_dim]`` with ``q``'s dtype.
+    """
+    shape = validate_inputs(q, k, v, scale=scale)
+    chosen = get_implementation(impl)
+    unknown = sorted(set(options) - set(chosen.options))
+    if unknown:
+        accepted = ", ".join(chosen.options) or "none"
+        raise ValueError(f"impl={chosen.name!r} does not accept option(s) {', '.join(unknown)}; it accepts: {accepted}")
+    if chosen.check_options is not None:
+        chosen.check_options(shape, options)
+    return chosen.fn(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), causal=bool(causal), scale=scale, **options)

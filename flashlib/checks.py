@@ -1,0 +1,101 @@
+"""Checks that notebooks and exercises call: each prints one short, machine-independent line or raises.
+
+The attention check applies FlashAttention's correctness rule: measured against a float64 oracle, an
+implementation's error may be at most twice the error of the naive implementation in the same dtype
+(plus a tiny floor, so exact zeros do not make the rule impossible).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from flashlib.reference import attention_naive, attention_oracle
+
+__all__ = ["AttentionCheck", "CheckFailed", "check", "check_attention", "check_close", "tolerance"]
+
+# Absolute floors per dtype: the error a single rounding of O(1) values can make.
+_FLOOR = {"float32": 1e-6, "bfloat16": 1e-2, "float16": 2e-3, "float64": 1e-12}
+
+
+class CheckFailed(AssertionError):
+    """Raised by every checker when a result is wrong; the message says what was expected."""
+
+
+def tolerance(dtype) -> float:
+    """The absolute error floor used for ``dtype`` (float32 1e-6, bfloat16 1e-2)."""
+    return _FLOOR[np.dtype(dtype).name]
+
+
+def check(condition: bool, name: str, hint: str = "") -> None:
+    """Say ``passed: name`` when ``condition`` holds, otherwise raise :class:`CheckFailed` with ``hint``."""
+    if not bool(condition):
+        raise CheckFailed(f"failed: {name}" + (f" — {hint}" if hint else ""))
+    print(f"passed: {name}")
+
+
+def check_close(actual, expected, name: str, *, atol: float | None = None, rtol: float = 0.0) -> float:
+    """``max |actual - expected| <= atol + rtol * |expected|`` (atol defaults to the dtype's floor x 10)."""
+    actual_np = np.asarray(actual, dtype=np.float64)
+    expected_np = np.asarray(expected, dtype=np.float64)
+    if actual_np.shape != expected_np.shape:
+        raise CheckFailed(f"failed: {name} — shape {actual_np.shape}, expected {expected_np.shape}")
+    if atol is None:
+        atol = 10 * tolerance(np.asarray(actual).dtype) if np.asarray(actual).dtype.kind == "f" else 1e-6
+    err = np.abs(actual_np - expected_np)
+    bad = ~(err <= atol + rtol * np.abs(expected_np))  # also catches NaN
+    if bad.any():
+        where = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise CheckFailed(
+            f"failed: {name} — {int(bad.sum())} of {bad.size} values off, first at index {where}: "
+            f"got {actual_np[where]:.6g}, expected {expected_np[where]:.6g} (atol {atol:g}, rtol {rtol:g})"
+        )
+    print(f"passed: {name}")
+    return float(np.nanmax(err)) if err.size else 0.0
+
+
+@dataclass(frozen=True)
+class AttentionCheck:
+    """The numbers behind a passed attention check (errors are max-abs against the float64 oracle)."""
+
+    error: float
+    naive_error: float
+    allowed: float
+
+    @property
+    def ratio(self) -> float:
+        """``error / naive_error`` (FlashAttention's rule asks for at most 2)."""
+        return self.error / max(self.naive_error, 1e-30)
+
+
+def check_attention(
+    out, q, k, v, *, causal: bool = False, scale: float | None = None, name: str = "attention", quiet: bool = False
+) -> AttentionCheck:
+    """Check an attention output against the float64 oracle with FlashAttention's 2x-naive rule.
+
+    Raises :class:`CheckFailed` naming the worst element when the output has the wrong shape or dtype,
+    contains NaN/inf, or is off by more than ``2 * naive_error + floor(dtype)``.
+    """
+    out_np = np.asarray(out)
+    if out_np.shape != tuple(q.shape):
+        raise CheckFailed(f"failed: {name} — output shape {out_np.shape}, expected q's shape {tuple(q.shape)}")
+    if out_np.dtype != np.dtype(q.dtype):
+        raise CheckFailed(f"failed: {name} — output dtype {out_np.dtype}, expected q's dtype {np.dtype(q.dtype)}")
+    if not np.isfinite(out_np.astype(np.float64)).all():
+        raise CheckFailed(f"failed: {name} — output contains NaN or inf")
+    expected = attention_oracle(q, k, v, causal=causal, scale=scale)
+    naive = np.asarray(attention_naive(q, k, v, causal=causal, scale=scale), dtype=np.float64)
+    naive_error = float(np.max(np.abs(naive - expected), initial=0.0))
+    err = np.abs(out_np.astype(np.float64) - expected)
+    error = float(np.max(err, initial=0.0))
+    allowed = 2.0 * naive_error + tolerance(q.dtype)
+    if error > allowed:
+        where = tuple(int(i) for i in np.unravel_index(np.argmax(err), err.shape))
+        raise CheckFailed(
+            f"failed: {name} — max error {error:.3g} at [b, h, q, d] = {where} exceeds the allowed {allowed:.3g} "
+            f"(2 x naive {np.dtype(q.dtype).name} error {naive_error:.3g} + floor {tolerance(q.dtype):g})"
+        )
+    if not quiet:
+        print(f"passed: {name} matches the float64 oracle (within 2x the naive {np.dtype(q.dtype).name} error)")
+    return AttentionCheck(error=error, naive_error=naive_error, allowed=allowed)
