@@ -7,7 +7,7 @@ One entry point, many stages::
     flashlib.implementations()   # {"reference": "...", "blockwise": "...", "xla": "..."}
 """
 
-from flashlib import blockwise, checks, env, reference, xla  # noqa: F401  (importing registers the stages)
+from flashlib import blockwise, checks, env, reference, tpu_compile, xla  # noqa: F401  (importing registers the stages)
 from flashlib.api import AttentionShape, attention, get_implementation, implementations, validate_inputs
 
 __version__ = "0.1.0"
@@ -21,5 +21,6 @@ __all__ = [
     "get_implementation",
     "implementations",
     "reference",
+    "tpu_compile",
     "validate_inputs",
 ]

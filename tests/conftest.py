@@ -1,0 +1,56 @@
+"""Shared test set-up: CPU only, deterministic keys, hypothesis profiles, the ``tpu`` marker."""
+
+from __future__ import annotations
+
+import os
+
+# Before jax is imported anywhere: run on the CPU even where libtpu is installed (it is, for the AOT
+# compile checks), and let several processes load libtpu at once.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+from flashlib import env  # noqa: E402
+
+settings.register_profile(
+    "default", deadline=None, max_examples=12, suppress_health_check=[HealthCheck.too_slow], derandomize=True
+)
+settings.register_profile("thorough", parent=settings.get_profile("default"), max_examples=100, derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+
+def make_qkv(
+    batch: int = 1,
+    heads: int = 2,
+    q_len: int = 64,
+    kv_len: int | None = None,
+    head_dim: int = 32,
+    dtype=jnp.float32,
+    seed: int = 0,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Random normal q, k, v in the flashlib layout."""
+    kv_len = q_len if kv_len is None else kv_len
+    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(kq, (batch, heads, q_len, head_dim), jnp.float32).astype(dtype)
+    k = jax.random.normal(kk, (batch, heads, kv_len, head_dim), jnp.float32).astype(dtype)
+    v = jax.random.normal(kv, (batch, heads, kv_len, head_dim), jnp.float32).astype(dtype)
+    return q, k, v
+
+
+@pytest.fixture
+def qkv():
+    """The factory :func:`make_qkv` as a fixture."""
+    return make_qkv
+
+
+def pytest_collection_modifyitems(config, items):
+    if env.has_libtpu():
+        return
+    skip = pytest.mark.skip(reason="libtpu is not installed (pip install 'jax[tpu]'): no TPU target to compile for")
+    for item in items:
+        if "tpu" in item.keywords:
+            item.add_marker(skip)
