@@ -117,7 +117,7 @@ class SoftmaxState(NamedTuple):
 
 
 def state_from_scores(s: jax.Array, v: jax.Array, mask: jax.Array | None = None) -> SoftmaxState:
-    """The state of one block: scores ``s [..., q, k]`` (masked where ``mask`` is False) and values ``v [..., k, d]``."""
+    """The state of one block of scores ``s [..., q, k]`` (masked where ``mask`` is False), values ``v [..., k, d]``."""
     if mask is not None:
         s = jnp.where(mask, s, -jnp.inf)
     m = jnp.max(s, axis=-1)  # [..., q]

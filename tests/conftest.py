@@ -50,6 +50,8 @@ def qkv():
 def pytest_collection_modifyitems(config, items):
     if env.has_libtpu():
         return
+    if os.environ.get("FLASHLIB_REQUIRE_LIBTPU") == "1":  # set by `make test`: CI must really compile
+        raise pytest.UsageError("FLASHLIB_REQUIRE_LIBTPU=1 but libtpu is not installed: pip install 'jax[tpu]'")
     skip = pytest.mark.skip(reason="libtpu is not installed (pip install 'jax[tpu]'): no TPU target to compile for")
     for item in items:
         if "tpu" in item.keywords:

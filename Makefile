@@ -1,0 +1,83 @@
+# flashlib — two commands: `make lab` to learn, `make test` to check everything.
+#
+#   make lab         create .venv if missing, install flashlib (editable, notebook + test extras), open JupyterLab
+#   make test        lint + library tests + TPU compile checks + strict nbval of every notebook (newest jax)
+#   make test-colab  the same suite in .venv-colab, pinned to Colab's TPU runtime (python3.13, jax 0.7.2)
+#   make notebooks   re-execute every notebook in place (headless) so the stored outputs are fresh
+#
+# Works on any Linux machine with Python >= 3.11 and make; no accelerator needed (Pallas kernels run in
+# interpret mode on the CPU; the TPU compiler in libtpu checks the kernels ahead of time).
+
+SHELL := bash
+.ONESHELL:
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+
+# First interpreter that actually runs (pyenv shims exist for versions that are not selected).
+runs = $(firstword $(foreach c,$(1),$(shell $(c) -c 'import sys; sys.exit(sys.version_info < (3, 11))' >/dev/null 2>&1 && echo $(c))))
+PYTHON ?= $(call runs,python3.12 $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3)
+COLAB_PYTHON ?= $(call runs,python3.13 $(wildcard $(HOME)/.pyenv/versions/3.13*/bin/python3.13))
+
+VENV := .venv
+COLAB_VENV := .venv-colab
+EXTRAS := .[notebooks,test]
+NOTEBOOKS := $(sort $(wildcard notebooks/[0-9][0-9]_*.ipynb))
+
+# Run JAX on the CPU even though libtpu is installed (it is there to compile for TPU targets), and let
+# several processes load libtpu at once.
+export JAX_PLATFORMS ?= cpu
+export ALLOW_MULTIPLE_LIBTPU_LOAD := 1
+export MPLBACKEND := Agg
+export PYDEVD_DISABLE_FILE_VALIDATION := 1
+
+NBVAL := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg -p no:cacheprovider
+
+.PHONY: help lab test test-colab lint test-lib test-notebooks notebooks clean
+
+help:
+	@sed -n '3,7p' Makefile | sed 's/^# //'
+
+$(VENV)/.installed: pyproject.toml
+	@test -n "$(PYTHON)" || { echo "No Python >= 3.11 found; install one (python3.12 preferred)."; exit 1; }
+	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install -q --upgrade pip
+	$(VENV)/bin/python -m pip install -q -e "$(EXTRAS)"
+	touch $@
+
+$(COLAB_VENV)/.installed: pyproject.toml tests/colab-constraints.txt
+	@test -n "$(COLAB_PYTHON)" || { echo "make test-colab needs python3.13 (Colab's); none found."; exit 1; }
+	test -d $(COLAB_VENV) || $(COLAB_PYTHON) -m venv $(COLAB_VENV)
+	$(COLAB_VENV)/bin/python -m pip install -q --upgrade pip
+	$(COLAB_VENV)/bin/python -m pip install -q -c tests/colab-constraints.txt -e "$(EXTRAS)"
+	touch $@
+
+lab: $(VENV)/.installed
+	$(VENV)/bin/jupyter lab notebooks/
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check flashlib tests data notebooks
+
+# `make test` = lint, then one pytest run: the library tests (incl. the TPU compile checks, which must
+# really compile here: FLASHLIB_REQUIRE_LIBTPU) and strict nbval of every notebook.
+test: lint
+	FLASHLIB_REQUIRE_LIBTPU=1 $(VENV)/bin/pytest tests $(NBVAL) $(NOTEBOOKS)
+
+test-colab: $(COLAB_VENV)/.installed
+	$(COLAB_VENV)/bin/python -c 'import jax, sys; print("colab mirror: python", sys.version.split()[0], "jax", jax.__version__)'
+	FLASHLIB_REQUIRE_LIBTPU=1 $(COLAB_VENV)/bin/pytest tests $(NBVAL) $(NOTEBOOKS)
+
+test-lib: $(VENV)/.installed
+	$(VENV)/bin/pytest tests
+
+test-notebooks: $(VENV)/.installed
+	$(VENV)/bin/pytest $(NBVAL) $(NOTEBOOKS)
+
+notebooks: $(VENV)/.installed
+	for nb in $(NOTEBOOKS); do
+	  echo "executing $$nb"
+	  $(VENV)/bin/jupyter nbconvert --to notebook --execute --inplace --ExecutePreprocessor.timeout=600 "$$nb"
+	done
+	$(VENV)/bin/python tests/clean_notebooks.py $(NOTEBOOKS)
+
+clean:
+	rm -rf $(VENV) $(COLAB_VENV) .pytest_cache .ruff_cache .hypothesis

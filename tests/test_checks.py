@@ -1,0 +1,60 @@
+"""flashlib.checks: passes print one stable line; failures raise and say where and by how much."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import make_qkv
+
+from flashlib import checks, reference
+
+
+def test_check_attention_passes_and_prints_one_line(capsys):
+    q, k, v = make_qkv(1, 2, 9, 11, 32)
+    result = checks.check_attention(reference.attention_naive(q, k, v), q, k, v, name="naive")
+    assert capsys.readouterr().out == "passed: naive matches the float64 oracle (within 2x the naive float32 error)\n"
+    assert result.error <= result.allowed and result.ratio == pytest.approx(1.0)
+
+
+def test_check_attention_catches_a_small_error():
+    q, k, v = make_qkv(1, 2, 9, 11, 32)
+    wrong = reference.attention_naive(q, k, v).at[0, 1, 3, 5].add(1e-3)
+    with pytest.raises(checks.CheckFailed, match=r"max error 0.001 at \[b, h, q, d\] = \(0, 1, 3, 5\)"):
+        checks.check_attention(wrong, q, k, v)
+
+
+def test_check_attention_catches_the_wrong_mask():
+    q, k, v = make_qkv(1, 1, 16, 16, 32)
+    with pytest.raises(checks.CheckFailed, match="exceeds the allowed"):
+        checks.check_attention(reference.attention_naive(q, k, v, causal=False), q, k, v, causal=True)
+
+
+def test_check_attention_catches_shape_dtype_and_nan():
+    q, k, v = make_qkv(1, 1, 4, 4, 32)
+    good = reference.attention_naive(q, k, v)
+    with pytest.raises(checks.CheckFailed, match="output shape"):
+        checks.check_attention(good[0], q, k, v)
+    with pytest.raises(checks.CheckFailed, match="output dtype bfloat16"):
+        checks.check_attention(good.astype(jnp.bfloat16), q, k, v)
+    with pytest.raises(checks.CheckFailed, match="NaN"):
+        checks.check_attention(good.at[0, 0, 0, 0].set(jnp.nan), q, k, v)
+
+
+def test_bf16_tolerance_follows_the_naive_error():
+    q, k, v = make_qkv(1, 2, 64, 64, 64, dtype=jnp.bfloat16)
+    result = checks.check_attention(reference.attention_naive(q, k, v), q, k, v, quiet=True)
+    assert 1e-4 < result.naive_error < 5e-2  # bf16 rounding, not f32
+    assert checks.tolerance(jnp.bfloat16) > checks.tolerance(jnp.float32)
+
+
+def test_check_close_and_check(capsys):
+    checks.check_close(np.ones(3, np.float32), np.ones(3), "ones")
+    checks.check(True, "truth")
+    assert capsys.readouterr().out == "passed: ones\npassed: truth\n"
+    with pytest.raises(checks.CheckFailed, match=r"1 of 3 values off, first at index \(2,\): got 2, expected 1"):
+        checks.check_close(np.array([1.0, 1.0, 2.0]), np.ones(3), "ones")
+    with pytest.raises(checks.CheckFailed, match="shape"):
+        checks.check_close(np.ones(2), np.ones(3), "ones")
+    with pytest.raises(checks.CheckFailed, match="failed: lie — hint"):
+        checks.check(False, "lie", "hint")

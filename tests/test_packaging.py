@@ -1,0 +1,63 @@
+"""The set-up files agree with each other: environment.yml, pyproject.toml, the Colab pins, the Makefile."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def _floor(requirement: str) -> tuple[str, str | None]:
+    name = re.split(r"[\[<>=!~; ]", requirement, maxsplit=1)[0].lower()
+    floor = re.search(r">=\s*([\d.]+)", requirement)
+    return name, floor.group(1) if floor else None
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split("."))
+
+
+def test_environment_yml_installs_the_pyproject_extras():
+    text = (ROOT / "environment.yml").read_text()
+    pip_line = re.search(r"-\s+-e\s+\.\[([\w,]+)\]", text)
+    assert pip_line, "environment.yml must pip-install the project itself (-e .[extras])"
+    extras = set(pip_line.group(1).split(","))
+    assert extras == set(PYPROJECT["project"]["optional-dependencies"]), "environment.yml extras drifted"
+    python = re.search(r"-\s+python=(\d+\.\d+)", text).group(1)
+    required = PYPROJECT["project"]["requires-python"].removeprefix(">=")
+    assert _version(python) >= _version(required)
+    dependencies = text.split("dependencies:", 1)[1]
+    conda_packages = re.findall(r"^  -\s+([a-z][\w-]*)", dependencies, flags=re.M)
+    assert set(conda_packages) <= {"python", "pip"}, "add dependencies to pyproject.toml, not environment.yml"
+
+
+def test_makefile_installs_the_same_extras():
+    makefile = (ROOT / "Makefile").read_text()
+    extras = re.search(r"^EXTRAS := \.\[([\w,]+)\]", makefile, flags=re.M).group(1)
+    assert set(extras.split(",")) == set(PYPROJECT["project"]["optional-dependencies"])
+
+
+def test_dependency_floors_do_not_exceed_colab():
+    """Installing flashlib on Colab must never upgrade a preinstalled package (that forces a restart)."""
+    pins = dict(
+        line.split("==") for line in (ROOT / "tests/colab-constraints.txt").read_text().splitlines()
+        if line and not line.startswith("#")
+    )
+    requirements = PYPROJECT["project"]["dependencies"] + [
+        r for extra in PYPROJECT["project"]["optional-dependencies"].values() for r in extra
+    ]
+    checked = 0
+    for requirement in requirements:
+        name, floor = _floor(requirement)
+        if name in pins and floor:
+            assert _version(floor) <= _version(pins[name]), f"{requirement} is above Colab's {name}=={pins[name]}"
+            checked += 1
+    assert checked >= 4
+
+
+def test_ci_runs_the_readme_test_command():
+    assert "make test" in (ROOT / ".ci/run").read_text()
+    assert "make test" in (ROOT / "README.md").read_text()
