@@ -7,13 +7,15 @@ implementation's error may be at most twice the error of the naive implementatio
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from flashlib.reference import attention_naive, attention_oracle
 
-__all__ = ["AttentionCheck", "CheckFailed", "check", "check_attention", "check_close", "tolerance"]
+__all__ = ["AttentionCheck", "CheckFailed", "check", "check_attention", "check_close", "exercise", "tolerance"]
 
 # Absolute floors per dtype: the error a single rounding of O(1) values can make.
 _FLOOR = {"float32": 1e-6, "bfloat16": 1e-2, "float16": 2e-3, "float64": 1e-12}
@@ -35,7 +37,7 @@ def check(condition: bool, name: str, hint: str = "") -> None:
     print(f"passed: {name}")
 
 
-def check_close(actual, expected, name: str, *, atol: float | None = None, rtol: float = 0.0) -> float:
+def check_close(actual, expected, name: str, *, atol: float | None = None, rtol: float = 0.0) -> None:
     """``max |actual - expected| <= atol + rtol * |expected|`` (atol defaults to the dtype's floor x 10)."""
     actual_np = np.asarray(actual, dtype=np.float64)
     expected_np = np.asarray(expected, dtype=np.float64)
@@ -52,7 +54,6 @@ def check_close(actual, expected, name: str, *, atol: float | None = None, rtol:
             f"got {actual_np[where]:.6g}, expected {expected_np[where]:.6g} (atol {atol:g}, rtol {rtol:g})"
         )
     print(f"passed: {name}")
-    return float(np.nanmax(err)) if err.size else 0.0
 
 
 @dataclass(frozen=True)
@@ -99,3 +100,17 @@ def check_attention(
     if not quiet:
         print(f"passed: {name} matches the float64 oracle (within 2x the naive {np.dtype(q.dtype).name} error)")
     return AttentionCheck(error=error, naive_error=naive_error, allowed=allowed)
+
+
+def exercise(name: str, attempt: Callable[[], Any], checker: Callable[[Any], object]) -> None:
+    """Run an exercise: ``attempt()`` produces the reader's answer, ``checker(answer)`` prints passed or raises.
+
+    A stub that still raises ``NotImplementedError`` is reported as not attempted (no traceback), so a
+    notebook with unsolved exercises still runs top to bottom.
+    """
+    try:
+        answer = attempt()
+    except NotImplementedError:
+        print(f"{name}: not attempted yet — fill in the stub above, then run this cell again")
+        return
+    checker(answer)

@@ -13,7 +13,9 @@ Each returns a :class:`TpuCheck` whose ``summary`` says in plain words what the 
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
 import re
 import time
 from collections.abc import Callable
@@ -95,7 +97,21 @@ def tpu_topology(name: str = "v5e:1x1") -> Any:
 
     dims = tuple(int(x) for x in name.split(":")[1].split("x"))
     bounds = (dims + (1, 1, 1))[:3]
-    return topologies.get_topology_desc(topology_name=name, platform="tpu", chips_per_host_bounds=bounds)
+    with _quiet_native_stderr():  # libtpu logs, at C++ level, that it found no TPU here — which we know
+        return topologies.get_topology_desc(topology_name=name, platform="tpu", chips_per_host_bounds=bounds)
+
+
+@contextlib.contextmanager
+def _quiet_native_stderr():
+    """Silence file descriptor 2 (native code's stderr) for the block; Python exceptions still propagate."""
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def compile_for_tpu(fn: Callable[..., Any], *args: Any, topology: str = "v5e:1x1") -> TpuCheck:
