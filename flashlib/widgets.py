@@ -1,0 +1,108 @@
+"""Interactive versions of the pictures in :mod:`flashlib.viz`: a play button and a slider over the steps.
+
+Thin on purpose: each picture is a plain :mod:`flashlib.viz` function, and a widget only redraws it when the
+step changes. Every function returns the widget (a ``VBox``) without displaying it; the notebook does.
+
+Portable across ipywidgets 7 (Colab) and 8: only ``IntSlider``, ``Play``, ``jslink``, ``HBox``/``VBox`` and
+``interactive_output`` are used. ipywidgets is imported inside the functions, so ``import flashlib`` works
+without it. A notebook rendered without a kernel (on GitHub, say) shows no widgets: pair each explorer with a
+:func:`flashlib.viz.filmstrip` of the same steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy.typing as npt
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+
+from flashlib import viz
+
+__all__ = ["online_softmax_explorer", "step_through", "tiling_explorer"]
+
+
+def _show(fig: Figure) -> None:
+    """Display a finished figure in the current output (inside the widget's ``Output`` while redrawing).
+
+    The figure comes from :func:`flashlib.viz.new_figure`, already closed in pyplot, so redraws never
+    accumulate open figures.
+    """
+    from IPython.display import display
+
+    display(fig)
+
+
+def step_through(
+    draw_step: Callable[[int, Axes], object],
+    num_steps: int,
+    description: str = "step",
+    *,
+    interval: int = 800,
+    figsize: tuple[float, float] = (8.0, 5.0),
+):
+    """Play button + slider over ``range(num_steps)``; each new value redraws ``draw_step(step, ax)`` on a fresh figure.
+
+    The play button drives the slider in the browser (``jslink``), so playback needs no round trip; the
+    kernel only redraws when the slider's value arrives. ``interval`` is the time per step in milliseconds.
+    """
+    import ipywidgets as widgets
+
+    if num_steps < 1:
+        raise ValueError(f"num_steps must be at least 1, got {num_steps}")
+    last = num_steps - 1
+    play = widgets.Play(value=0, min=0, max=last, step=1, interval=interval, description="play")
+    slider = widgets.IntSlider(value=0, min=0, max=last, step=1, description=description, continuous_update=False)
+    widgets.jslink((play, "value"), (slider, "value"))
+
+    def redraw(step: int) -> None:
+        fig = viz.new_figure(figsize)
+        draw_step(step, fig.add_subplot())
+        _show(fig)
+
+    output = widgets.interactive_output(redraw, {"step": slider})
+    return widgets.VBox([widgets.HBox([play, slider]), output])
+
+
+def tiling_explorer(
+    q_len: int,
+    kv_len: int,
+    block_q: int,
+    block_k: int,
+    causal: bool = False,
+    *,
+    interval: int = 900,
+    figsize: tuple[float, float] = (7.5, 6.5),
+):
+    """Walk the grid of tiled attention step by step: :func:`flashlib.viz.plot_tiling_step` behind a slider.
+
+    One step per ``(q_block, kv_block)`` pair, kv fastest, as a Pallas grid with the kv axis last; with
+    ``causal=True`` the skipped (grey) and masked (hatched) tiles are visited too, as the grid visits them.
+    """
+    num_steps = len(viz.tiling_steps(q_len, kv_len, block_q, block_k, causal))
+
+    def draw(step: int, ax: Axes) -> None:
+        viz.plot_tiling_step(q_len, kv_len, block_q, block_k, step, causal=causal, ax=ax)
+
+    return step_through(draw, num_steps, description="grid step", interval=interval, figsize=figsize)
+
+
+def online_softmax_explorer(
+    scores: npt.ArrayLike,
+    values: npt.ArrayLike,
+    block: int,
+    *,
+    interval: int = 1200,
+    figsize: tuple[float, float] = (8.5, 4.2),
+):
+    """Stream one row of ``scores [n]`` (with ``values [n]`` or ``[n, d]``) through online softmax, block by block.
+
+    Behind the slider is :func:`flashlib.viz.plot_online_softmax_step`: the running max and sum after each
+    block, the rescale factor that block caused, and how far both are from their final values.
+    """
+    num_steps = len(viz.online_softmax_trace(scores, values, block))
+
+    def draw(step: int, ax: Axes) -> None:
+        viz.plot_online_softmax_step(scores, block, step, ax=ax, values=values)
+
+    return step_through(draw, num_steps, description="block", interval=interval, figsize=figsize)

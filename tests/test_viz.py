@@ -1,0 +1,218 @@
+"""The pictures draw headless, the data behind them matches the definitions, and the widgets redraw."""
+
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")  # before pyplot is imported anywhere: no display needed
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+
+from flashlib import viz, widgets  # noqa: E402
+
+pytestmark = [  # third-party noise on the Colab pins (matplotlib 3.10 + new pyparsing, ipywidgets 7 + new ipykernel)
+    pytest.mark.filterwarnings("ignore:.*deprecated.*use '.*':DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning:ipywidgets.*"),
+]
+
+
+@pytest.fixture(autouse=True)
+def _no_open_figures():
+    """Every function leaves pyplot's registry as it found it (figures are closed once made)."""
+    import matplotlib.pyplot as plt
+
+    before = plt.get_fignums()
+    yield
+    assert plt.get_fignums() == before
+
+
+def _scores(n: int = 20, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).normal(size=n) * 2.0
+
+
+# -- tiling_steps ----------------------------------------------------------------------------------
+
+
+def _kinds(steps) -> dict[str, int]:
+    return {kind: sum(s.kind == kind for s in steps) for kind in ("compute", "masked", "skipped")}
+
+
+@pytest.mark.parametrize(("q_len", "kv_len", "bq", "bk"), [(256, 256, 64, 64), (100, 70, 32, 16), (8, 8, 8, 8)])
+def test_tiling_steps_non_causal_computes_every_tile_row_major(q_len, kv_len, bq, bk):
+    steps = viz.tiling_steps(q_len, kv_len, bq, bk)
+    nq, nk = -(-q_len // bq), -(-kv_len // bk)
+    assert _kinds(steps) == {"compute": nq * nk, "masked": 0, "skipped": 0}
+    assert [(s.q_block, s.kv_block) for s in steps] == [(i, j) for i in range(nq) for j in range(nk)]  # kv fastest
+
+
+@pytest.mark.parametrize("nq", [1, 2, 4, 7])
+def test_tiling_steps_causal_square(nq):
+    steps = viz.tiling_steps(nq * 32, nq * 32, 32, 32, causal=True)
+    assert _kinds(steps) == {"compute": nq * (nq - 1) // 2, "masked": nq, "skipped": nq * (nq - 1) // 2}
+    assert all(s.kind == "masked" for s in steps if s.q_block == s.kv_block)
+    assert all(s.kind == "skipped" for s in steps if s.kv_block > s.q_block)
+
+
+def test_tiling_steps_causal_is_bottom_right_aligned():
+    # 4 queries, 8 keys: query i sees keys <= i + 4, so the second key block is cut by the diagonal, not skipped.
+    assert viz.tiling_steps(4, 8, 4, 4, causal=True) == [(0, 0, "compute"), (0, 1, "masked")]
+    # 8 queries, 4 keys: the first 4 queries see no key at all, the last 4 see a triangle.
+    assert viz.tiling_steps(8, 4, 4, 4, causal=True) == [(0, 0, "skipped"), (1, 0, "masked")]
+
+
+def test_tiling_steps_kinds_agree_with_the_elementwise_mask():
+    q_len, kv_len, bq, bk = 45, 70, 16, 8
+    visible = np.arange(kv_len)[None, :] <= np.arange(q_len)[:, None] + (kv_len - q_len)
+    for i, j, kind in viz.tiling_steps(q_len, kv_len, bq, bk, causal=True):
+        tile = visible[i * bq : (i + 1) * bq, j * bk : (j + 1) * bk]
+        assert kind == ("compute" if tile.all() else "skipped" if not tile.any() else "masked")
+
+
+# -- online_softmax_trace --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("n", "block", "d"), [(20, 6, 3), (16, 4, None), (5, 8, 2)])
+def test_online_softmax_trace_matches_direct_softmax(n, block, d):
+    s = _scores(n)
+    v = np.random.default_rng(1).normal(size=(n,) if d is None else (n, d))
+    trace = viz.online_softmax_trace(s, v, block)
+    assert len(trace) == -(-n // block)
+    final = trace[-1]
+    m = s.max()
+    l = np.exp(s - m).sum()  # noqa: E741
+    np.testing.assert_allclose(final["m"], m)
+    np.testing.assert_allclose(final["l"], l)
+    np.testing.assert_allclose(final["acc"], np.exp(s - m) @ v)
+    l_final = final["l"] if d is None else final["l"][..., None]
+    np.testing.assert_allclose(final["acc"] / l_final, np.exp(s - m) @ v / l)
+
+
+def test_online_softmax_trace_alpha_and_running_state():
+    s = np.array([0.0, 1.0, -2.0, 3.0, 5.0, 4.0, -1.0])
+    trace = viz.online_softmax_trace(s, np.ones_like(s), 2)
+    assert trace[0]["alpha"] == 0.0  # nothing to rescale before the first block (m_old = -inf)
+    for prev, cur in zip(trace, trace[1:], strict=False):
+        np.testing.assert_array_equal(cur["m_old"], prev["m"])
+        np.testing.assert_allclose(cur["alpha"], np.exp(cur["m_old"] - cur["m"]))
+    for t in trace:  # after each block: the state of the prefix, by definition
+        seen = s[: t["hi"]]
+        np.testing.assert_allclose(t["m"], seen.max())
+        np.testing.assert_allclose(t["l"], np.exp(seen - seen.max()).sum())
+    # blocks [0, 1] [-2, 3] [5, 4] [-1]: the max goes 1 -> 3 -> 5 -> 5
+    assert [float(t["alpha"]) for t in trace[1:]] == pytest.approx([np.exp(1.0 - 3.0), np.exp(3.0 - 5.0), 1.0])
+
+
+def test_online_softmax_trace_rows_and_masked_keys():
+    s = np.array([[1.0, 2.0, -np.inf, 0.5], [-np.inf, -np.inf, 3.0, 1.0]])
+    final = viz.online_softmax_trace(s, np.eye(4), 2)[-1]
+    p = np.exp(s - s.max(axis=1, keepdims=True))
+    np.testing.assert_allclose(final["acc"] / final["l"][:, None], p / p.sum(axis=1, keepdims=True))
+    first = viz.online_softmax_trace(s, np.eye(4), 2)[0]  # row 1 has seen no visible key yet: empty, not NaN
+    assert first["m"][1] == -np.inf and first["l"][1] == 0.0 and not np.isnan(first["acc"]).any()
+
+
+# -- pictures --------------------------------------------------------------------------------------
+
+
+def _texts(fig: Figure) -> str:
+    return " ".join(t.get_text() for ax in fig.axes for t in [ax.title, *ax.texts])
+
+
+def test_plot_tiling_step_draws_every_step():
+    steps = viz.tiling_steps(96, 128, 32, 32, causal=True)
+    for step in (0, len(steps) // 2, len(steps) - 1):
+        fig = viz.plot_tiling_step(96, 128, 32, 32, step, causal=True)
+        assert isinstance(fig, Figure)
+        assert f"grid step {step}/" in _texts(fig)
+    with pytest.raises(ValueError, match="step"):
+        viz.plot_tiling_step(64, 64, 32, 32, 4)
+
+
+def test_plot_online_softmax_step():
+    s = _scores(20)
+    fig = viz.plot_online_softmax_step(s, 6, 1, values=np.arange(20.0))
+    assert isinstance(fig, Figure)
+    assert f"{viz.online_softmax_trace(s, np.ones(20), 6)[1]['l']:.4g}" in _texts(fig)
+
+
+def test_plot_attention_map_and_given_axes():
+    tokens = ["the", "cat", "sat", "down"]
+    probs = np.full((4, 4), 0.25)
+    fig = viz.plot_attention_map(probs, tokens, title="uniform")
+    assert isinstance(fig, Figure) and [t.get_text() for t in fig.axes[0].get_yticklabels()] == tokens
+    host = viz.new_figure((4, 4))
+    assert viz.plot_attention_map(probs[:2], tokens[:2], tokens, ax=host.add_subplot()) is host
+    with pytest.raises(ValueError, match="shape"):
+        viz.plot_attention_map(probs, tokens[:3])
+
+
+def test_plot_memory_scaling_and_hbm_traffic():
+    lengths = [256, 512, 1024, 2048]
+    series = {"naive": [4.0 * n * n for n in lengths], "tiled": [512.0 * n for n in lengths]}
+    fig = viz.plot_memory_scaling(lengths, series)
+    assert isinstance(fig, Figure) and len(fig.axes[0].lines) == 4  # two series, two guides
+    traffic = {"naive": {n: 12.0 * n * n for n in lengths}, "tiled": {n: 2048.0 * n for n in lengths}}
+    fig = viz.plot_hbm_traffic(traffic)
+    assert isinstance(fig, Figure)
+    assert "×6" in _texts(fig)  # 12 * 512**2 / (2048 * 512)
+
+
+def test_format_bytes():
+    assert [viz.format_bytes(b) for b in (512, 1000, 1536, 3 * 2**30)] == ["512 B", "1000 B", "1.5 KiB", "3 GiB"]
+
+
+def test_filmstrip_animation_and_jshtml():
+    def draw(step, ax):
+        viz.plot_tiling_step(64, 64, 32, 32, step, causal=True, ax=ax, legend=False)
+
+    fig = viz.filmstrip(draw, range(4), ncols=3)
+    assert isinstance(fig, Figure)
+    assert sum(ax.get_visible() for ax in fig.axes) == 4  # 2x3 grid, the two spare panels hidden
+    html = viz.to_jshtml(viz.animate(draw, range(2), figsize=(3, 3)))
+    assert isinstance(html, str) and "<script" in html
+
+
+# -- widgets ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def shown(monkeypatch) -> list[Figure]:
+    """The figures the widgets hand to ``display``, in order."""
+    figures: list[Figure] = []
+    monkeypatch.setattr(widgets, "_show", figures.append)
+    return figures
+
+
+def _slider(box):
+    controls = box.children[0]
+    return controls.children[1]
+
+
+def test_step_through_redraws_on_slider_change(shown):
+    import ipywidgets
+
+    calls = []
+    box = widgets.step_through(lambda step, ax: calls.append(step), 5, description="k")
+    assert isinstance(box, ipywidgets.VBox) and isinstance(box.children[1], ipywidgets.Output)
+    play, slider = box.children[0].children
+    assert (play.max, slider.max, slider.description) == (4, 4, "k")
+    slider.value = 3
+    assert calls == [0, 3] and len(shown) == 2
+
+
+def test_tiling_explorer_redraws(shown):
+    box = widgets.tiling_explorer(128, 128, 64, 32, causal=True)
+    assert _slider(box).max == 7
+    _slider(box).value = 5
+    assert len(shown) == 2
+    assert "grid step 0/7" in _texts(shown[0]) and "grid step 5/7" in _texts(shown[1])
+
+
+def test_online_softmax_explorer_redraws(shown):
+    s = _scores(12)
+    box = widgets.online_softmax_explorer(s, np.arange(12.0), 4)
+    assert _slider(box).max == 2
+    _slider(box).value = 2
+    assert "after block 0/2" in _texts(shown[0]) and "after block 2/2" in _texts(shown[1])
