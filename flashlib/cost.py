@@ -1,0 +1,178 @@
+"""FLOPs, transcendentals and HBM bytes of attention: the ideal count, and what the Pallas kernel does.
+
+Two views, one set of functions:
+
+* ``block_sizes=None`` — the algorithm: every visible (query, key) pair costs two multiply-adds per head
+  dimension (``q·k`` and ``p·v``) and one ``exp``; q, k, v and out cross HBM once. This is the yardstick of
+  a roofline plot.
+* ``block_sizes=BlockSizes(...)`` — the kernel as it runs: whole padded blocks, causal blocks above the
+  diagonal skipped, and a k/v block fetched only when its block index changes between grid steps. This is
+  the ``pl.CostEstimate`` the kernel hands to XLA, so ``compiled.cost_analysis()`` reports it.
+
+The block geometry of a causal grid lives here too (:func:`block_is_visible`, :func:`block_needs_mask`,
+:func:`last_key_seen`), written with plain arithmetic so the same function runs on Python ints, NumPy
+arrays and the traced program ids inside the kernel.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from flashlib.kernels.block_sizes import NUM_LANES, BlockSizes, round_up
+
+__all__ = [
+    "attention_bytes",
+    "attention_flops",
+    "attention_transcendentals",
+    "block_is_visible",
+    "block_needs_mask",
+    "kv_block_fetches",
+    "last_key_seen",
+    "visible_pairs",
+    "visited_blocks",
+]
+
+_F32_BYTES = 4
+_MATMULS = 2  # s = q k^T and o = p v
+_FLOPS_PER_MAC = 2
+
+
+# ---------------------------------------------------------------------------------------------------
+# Block geometry (bottom-right aligned causal mask: query i sees keys j <= i + kv_len - q_len)
+# ---------------------------------------------------------------------------------------------------
+
+
+def block_is_visible(q_block, kv_block, *, block_q: int, block_k: int, q_len: int, kv_len: int, causal: bool):
+    """True unless the whole key block lies above the diagonal for every row of the query block.
+
+    The block's last row (padding rows included) sees keys up to ``(q_block + 1) * block_q - 1 + kv_len -
+    q_len``; the key block starts at ``kv_block * block_k``.
+    """
+    if not causal:
+        return True
+    return kv_block * block_k <= last_key_seen(q_block, block_q=block_q, q_len=q_len, kv_len=kv_len)
+
+
+def block_needs_mask(q_block, kv_block, *, block_q: int, block_k: int, q_len: int, kv_len: int, causal: bool):
+    """True where a visited block must build an element mask: it holds padded keys, or (causal) its last
+    key lies beyond what the block's first row may see, so it straddles the diagonal."""
+    holds_padding = (kv_block + 1) * block_k > kv_len
+    if not causal:
+        return holds_padding
+    straddles = (kv_block + 1) * block_k - 1 > q_block * block_q + (kv_len - q_len)
+    return holds_padding | straddles
+
+
+def last_key_seen(q_block, *, block_q: int, q_len: int, kv_len: int):
+    """The last key position any row of the query block may see (its last row's limit; may be < 0)."""
+    return (q_block + 1) * block_q - 1 + (kv_len - q_len)
+
+
+def _last_blocks(q_len: int, kv_len: int, block_q: int, block_k: int, causal: bool) -> np.ndarray:
+    """``[num_q_blocks]``: the last key block each query block needs, where its k/v index map clamps."""
+    num_q_blocks, num_kv_blocks = round_up(q_len, block_q) // block_q, round_up(kv_len, block_k) // block_k
+    if not causal:
+        return np.full(num_q_blocks, num_kv_blocks - 1)
+    last_key = last_key_seen(np.arange(num_q_blocks), block_q=block_q, q_len=q_len, kv_len=kv_len)  # [nq]
+    return np.clip(last_key // block_k, 0, num_kv_blocks - 1)  # a block that sees no key still holds block 0
+
+
+def visited_blocks(q_len: int, kv_len: int, block_q: int, block_k: int, causal: bool) -> int:
+    """Grid steps of one (batch, head) that compute, i.e. are not skipped as above the diagonal."""
+    q_blocks = np.arange(round_up(q_len, block_q) // block_q)[:, None]  # [nq, 1]
+    kv_blocks = np.arange(round_up(kv_len, block_k) // block_k)[None, :]  # [1, nk]
+    geometry = dict(block_q=block_q, block_k=block_k, q_len=q_len, kv_len=kv_len, causal=causal)
+    visible = block_is_visible(q_blocks, kv_blocks, **geometry)  # [nq, nk], or True when not causal
+    return int(np.broadcast_to(visible, (q_blocks.size, kv_blocks.size)).sum())
+
+
+def kv_block_fetches(q_len: int, kv_len: int, block_q: int, block_k: int, causal: bool) -> int:
+    """HBM→VMEM copies of a k (or v) block for one (batch, head).
+
+    Pallas copies a block only when its index differs from the previous grid step's. Query block ``i``
+    walks key blocks ``0 .. last[i]`` and then stays on ``last[i]`` (the clamped index map), so it costs
+    ``last[i]`` changes, plus one when it starts from block 0 and the previous query block ended elsewhere.
+    """
+    last = _last_blocks(q_len, kv_len, block_q, block_k, causal)  # [nq]
+    return int(last.sum() + 1 + np.count_nonzero(last[:-1] != 0))
+
+
+def visible_pairs(q_len: int, kv_len: int, causal: bool) -> int:
+    """(query, key) pairs that enter the softmax: ``q_len * kv_len``, or the causal staircase."""
+    if not causal:
+        return q_len * kv_len
+    keys_per_row = np.clip(np.arange(q_len) + (kv_len - q_len) + 1, 0, kv_len)  # [q_len]
+    return int(keys_per_row.sum())
+
+
+# ---------------------------------------------------------------------------------------------------
+# The counts
+# ---------------------------------------------------------------------------------------------------
+
+
+def attention_flops(
+    batch: int, heads: int, q_len: int, kv_len: int, head_dim: int, causal: bool, block_sizes: BlockSizes | None = None
+) -> int:
+    """Matmul FLOPs (the MXU work): ``2 matmuls x 2 flops x head_dim`` per score; elementwise ops not counted.
+
+    With ``block_sizes`` (as the kernel runs them, i.e. after :meth:`BlockSizes.fit`): every visited
+    ``[block_q, block_k]`` block in full, padding included.
+    """
+    if block_sizes is None:
+        scores = visible_pairs(q_len, kv_len, causal)
+    else:
+        bq, bk = block_sizes.block_q, block_sizes.block_k
+        scores = visited_blocks(q_len, kv_len, bq, bk, causal) * bq * bk
+    return batch * heads * scores * _MATMULS * _FLOPS_PER_MAC * head_dim
+
+
+def attention_transcendentals(
+    batch: int,
+    heads: int,
+    q_len: int,
+    kv_len: int,
+    head_dim: int,
+    causal: bool,
+    block_sizes: BlockSizes | None = None,
+    with_lse: bool = False,
+) -> int:
+    """``exp``/``log`` evaluations: one ``exp`` per score (+ one ``log`` per row for the lse).
+
+    The kernel also exponentiates the rescale factor ``exp(m_old - m_new)`` once per visited block on a
+    lane-replicated ``[block_q, 128]`` tile, and takes the lse's ``log`` on that layout too.
+    """
+    del head_dim  # same signature as the other counts
+    if block_sizes is None:
+        return batch * heads * (visible_pairs(q_len, kv_len, causal) + (q_len if with_lse else 0))
+    bq, bk = block_sizes.block_q, block_sizes.block_k
+    visited = visited_blocks(q_len, kv_len, bq, bk, causal)
+    q_rows = round_up(q_len, bq)
+    per_head = visited * (bq * bk + bq * NUM_LANES) + (q_rows * NUM_LANES if with_lse else 0)
+    return batch * heads * per_head
+
+
+def attention_bytes(
+    batch: int,
+    heads: int,
+    q_len: int,
+    kv_len: int,
+    head_dim: int,
+    causal: bool,
+    dtype,
+    block_sizes: BlockSizes | None = None,
+    with_lse: bool = False,
+) -> int:
+    """HBM bytes read and written: q, k, v in, out (and the f32 lse) back.
+
+    Ideally each crosses HBM once. The kernel reads each q block once, re-reads k and v once per query
+    block (:func:`kv_block_fetches`), and writes out — and the lane-replicated ``[q, 128]`` f32 lse — once.
+    """
+    itemsize = np.dtype(dtype).itemsize
+    if block_sizes is None:
+        elements = (2 * q_len + 2 * kv_len) * head_dim  # q, out; k, v
+        return batch * heads * (elements * itemsize + (q_len * _F32_BYTES if with_lse else 0))
+    bq, bk = block_sizes.block_q, block_sizes.block_k
+    q_rows = round_up(q_len, bq)
+    kv_rows = kv_block_fetches(q_len, kv_len, bq, bk, causal) * bk
+    per_head = (2 * q_rows + 2 * kv_rows) * head_dim * itemsize + (q_rows * NUM_LANES * _F32_BYTES if with_lse else 0)
+    return batch * heads * per_head

@@ -1,0 +1,246 @@
+"""The Pallas TPU flash-attention forward kernel (stage 5 of the series): ``impl="pallas"``.
+
+The algorithm is :mod:`flashlib.blockwise`'s, with the ``scan`` replaced by a Pallas grid
+``(batch, heads, num_q_blocks, num_kv_blocks)``. Pallas copies one ``[block_q, head_dim]`` query tile and
+one ``[block_k, head_dim]`` key and value tile into VMEM per step (double-buffered: the next step's copy
+overlaps this step's compute); the running softmax state lives in f32 VMEM scratch that persists across
+the innermost, sequential ("arbitrary") key axis:
+
+* ``init``     (first key block): ``m = MASK_VALUE``, ``l = 0``, ``acc = 0``;
+* ``body``     (every visible key block): scores on the MXU, online-softmax update of ``m``, ``l``, ``acc``;
+* ``finalize`` (last key block): ``out = acc / l`` — one division per row, deferred as in FlashAttention-2.
+
+``m`` and ``l`` are stored lane-replicated, ``[block_q, 128]`` rather than ``[block_q]``: a row statistic
+then already has the layout of a score tile's row, and broadcasting it against ``[block_q, block_k]`` is a
+cheap copy of whole vregs, never a cross-lane shuffle.
+
+Causal attention skips the blocks above the diagonal twice over: ``body`` does not run (a ``pl.when`` on
+the program ids) and the k/v index maps clamp to the last needed block, so the pipeline issues no copy.
+Only blocks that straddle the diagonal or hold padded keys build an element mask.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from flashlib import cost, env
+from flashlib.api import AttentionShape, register, validate_inputs
+from flashlib.blockwise import pad_to_multiple
+from flashlib.kernels.block_sizes import MASK_VALUE, NUM_LANES, BlockSizes
+from flashlib.reference import causal_visible, default_scale
+
+__all__ = ["flash_attention_forward", "resolve_block_sizes"]
+
+NT_DIMS = (((1,), (1,)), ((), ()))  # [m, d] x [n, d] -> [m, n]: contract the last dims (q k^T without a transpose)
+
+
+def _lanes_to(x: jax.Array, width: int) -> jax.Array:
+    """A lane-replicated ``[rows, 128]`` tile as ``[rows, width]``: whole-vreg copies, then a slice."""
+    repeats = -(-width // NUM_LANES)
+    return (jnp.tile(x, (1, repeats)) if repeats > 1 else x)[:, :width]
+
+
+def _forward_kernel(
+    q_ref,  # [block_q, head_dim]
+    k_ref,  # [block_k, head_dim]
+    v_ref,  # [block_k, head_dim]
+    o_ref,  # [block_q, head_dim]
+    *refs,  # (lse_ref [block_q, 128],) m_ref, l_ref [block_q, 128] f32, acc_ref [block_q, head_dim] f32
+    causal: bool,
+    scale: float,
+    q_len: int,
+    kv_len: int,
+    has_padding: bool,
+):
+    lse_ref, (m_ref, l_ref, acc_ref) = (refs[0], refs[1:]) if len(refs) == 4 else (None, refs)
+    block_q, head_dim = q_ref.shape
+    block_k = k_ref.shape[0]
+    q_block, kv_block = pl.program_id(2), pl.program_id(3)
+    geometry = dict(block_q=block_q, block_k=block_k, q_len=q_len, kv_len=kv_len, causal=causal)
+
+    @pl.when(kv_block == 0)
+    def init():
+        m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)  # [block_q, 128]
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)  # [block_q, 128]
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)  # [block_q, head_dim]
+
+    def body(masked: bool):
+        q = q_ref[...]  # [block_q, head_dim]
+        k = k_ref[...]  # [block_k, head_dim]
+        s = lax.dot_general(q, k, NT_DIMS, preferred_element_type=jnp.float32) * scale  # [block_q, block_k]
+        if masked:
+            shape = (block_q, block_k)
+            q_pos = q_block * block_q + lax.broadcasted_iota(jnp.int32, shape, 0)  # [block_q, block_k]
+            kv_pos = kv_block * block_k + lax.broadcasted_iota(jnp.int32, shape, 1)  # [block_q, block_k]
+            visible = kv_pos < kv_len  # [block_q, block_k]   padded keys are never seen
+            if causal:
+                visible &= causal_visible(q_pos, kv_pos, q_len=q_len, kv_len=kv_len)
+            s = jnp.where(visible, s, MASK_VALUE)  # [block_q, block_k]
+
+        m_prev, l_prev = m_ref[...], l_ref[...]  # [block_q, 128]
+        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))  # [block_q, 128]
+        alpha = jnp.exp(m_prev - m_next)  # [block_q, 128]   rescales what was accumulated so far
+        p = jnp.exp(s - _lanes_to(m_next, block_k))  # [block_q, block_k]
+        if masked:
+            # A row that has seen only masked keys has m = MASK_VALUE and would get exp(0) = 1 here.
+            p = jnp.where(visible, p, 0.0)  # [block_q, block_k]
+        m_ref[...] = m_next
+        l_ref[...] = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)  # [block_q, 128]
+        v = v_ref[...]  # [block_k, head_dim]
+        pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)  # [block_q, head_dim]
+        acc_ref[...] = acc_ref[...] * _lanes_to(alpha, head_dim) + pv  # [block_q, head_dim]
+
+    if causal or has_padding:
+        block_visible = cost.block_is_visible(q_block, kv_block, **geometry)
+        needs_mask = cost.block_needs_mask(q_block, kv_block, **geometry)
+        pl.when(block_visible & needs_mask)(functools.partial(body, masked=True))
+        pl.when(block_visible & ~needs_mask)(functools.partial(body, masked=False))
+    else:
+        body(masked=False)
+
+    @pl.when(kv_block == pl.num_programs(3) - 1)
+    def finalize():
+        l = l_ref[...]  # noqa: E741  [block_q, 128]
+        l_safe = jnp.where(l == 0.0, 1.0, l)  # [block_q, 128]   a row that saw no key: acc = 0 -> out = 0
+        o_ref[...] = (acc_ref[...] * _lanes_to(1.0 / l_safe, head_dim)).astype(o_ref.dtype)  # [block_q, head_dim]
+        if lse_ref is not None:
+            lse_ref[...] = m_ref[...] + jnp.log(l)  # [block_q, 128]   log(0) = -inf for a row that saw no key
+
+
+def resolve_block_sizes(shape: AttentionShape, block_sizes: BlockSizes | None) -> BlockSizes:
+    """The block sizes the kernel will run for ``shape``: the default, or ``block_sizes`` clamped to the
+    sequence lengths (:meth:`BlockSizes.fit`), checked against the dtype's tiling rule and the VMEM budget."""
+    if block_sizes is None:
+        return BlockSizes.default(shape.q_len, shape.kv_len, shape.head_dim, shape.dtype)
+    if not isinstance(block_sizes, BlockSizes):
+        raise ValueError(
+            f"block_sizes must be a flashlib.kernels.BlockSizes or None, got {type(block_sizes).__name__}; "
+            "e.g. block_sizes=BlockSizes(block_q=256, block_k=512)"
+        )
+    fitted = block_sizes.fit(shape.q_len, shape.kv_len, shape.dtype)
+    fitted.validate(shape.dtype, shape.head_dim)
+    return fitted
+
+
+def _check_options(shape: AttentionShape, options: Mapping[str, Any]) -> None:
+    """Registry hook: reject bad ``block_sizes``/``interpret`` before anything is traced."""
+    resolve_block_sizes(shape, options.get("block_sizes"))
+    interpret = options.get("interpret")
+    if not (interpret is None or isinstance(interpret, (bool, pltpu.InterpretParams))):
+        raise ValueError(
+            f"interpret must be None (automatic), True, False or a pltpu.InterpretParams, got {interpret!r}"
+        )
+
+
+@register(
+    "pallas",
+    description="Pallas TPU flash attention forward: VMEM tiles, online softmax, causal block skipping",
+    options=("block_sizes", "interpret"),
+    check_options=_check_options,
+    native_on=("tpu",),
+    auto_priority=2,
+)
+def flash_attention_forward(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    block_sizes: BlockSizes | None = None,
+    interpret: bool | pltpu.InterpretParams | None = None,
+    return_lse: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """Flash attention forward as one Pallas TPU kernel; any ``q_len``/``kv_len``, head_dim, f32 or bf16.
+
+    Args:
+      q: ``[batch, heads, q_len, head_dim]``; k, v: ``[batch, heads, kv_len, head_dim]``, same dtype.
+      causal: bottom-right aligned causal mask (query ``i`` sees keys ``j <= i + kv_len - q_len``).
+      scale: softmax temperature, default ``1/sqrt(head_dim)``.
+      block_sizes: tile sizes; None picks :meth:`BlockSizes.default` for the chip. Blocks longer than the
+        (tile-rounded) sequences are clamped to them.
+      interpret: None: compiled on a TPU, interpreted elsewhere (:func:`flashlib.env.interpret_default`);
+        False forces the compiled path (to lower or compile for a TPU from any machine); True, or a
+        ``pltpu.InterpretParams`` for TPU-semantics emulation (e.g. race detection), interprets.
+      return_lse: also return the row log-sum-exp ``[batch, heads, q_len]`` f32 (``-inf`` for a row that
+        sees no key), the residual the backward pass needs.
+
+    Returns:
+      ``out`` like ``q`` (and ``lse`` when asked).
+    """
+    shape = validate_inputs(q, k, v, scale=scale)
+    sizes = resolve_block_sizes(shape, block_sizes)
+    scale = default_scale(shape.head_dim) if scale is None else float(scale)
+    interpret = env.interpret_default() if interpret is None else interpret
+    return _forward(q, k, v, causal=bool(causal), scale=scale, sizes=sizes, interpret=interpret, return_lse=return_lse)
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "scale", "sizes", "interpret", "return_lse"))
+def _forward(q, k, v, *, causal: bool, scale: float, sizes: BlockSizes, interpret, return_lse: bool):
+    batch, heads, q_len, head_dim = q.shape
+    kv_len = k.shape[2]
+    block_q, block_k = sizes.block_q, sizes.block_k
+    q_padded = pad_to_multiple(q, 2, block_q)  # [b, h, Tq, d]
+    k_padded = pad_to_multiple(k, 2, block_k)  # [b, h, Tk, d]
+    v_padded = pad_to_multiple(v, 2, block_k)  # [b, h, Tk, d]
+    num_q_blocks, num_kv_blocks = q_padded.shape[2] // block_q, k_padded.shape[2] // block_k
+
+    def q_index_map(b, h, i, j):
+        return b, h, i, 0
+
+    def kv_index_map(b, h, i, j):
+        if causal:  # past the last needed block, repeat it: same index, so no new HBM -> VMEM copy
+            last_key = jnp.maximum(cost.last_key_seen(i, block_q=block_q, q_len=q_len, kv_len=kv_len), 0)
+            # lax.div truncates, i.e. floors a key >= 0; jnp's // would need sign(), which Mosaic lowers per chip
+            j = jnp.minimum(j, lax.div(last_key, block_k))
+        return b, h, j, 0
+
+    def row_stat_index_map(b, h, i, j):
+        return b, h, i, 0
+
+    squeezed = pl.squeezed
+    q_spec = pl.BlockSpec((squeezed, squeezed, block_q, head_dim), q_index_map)
+    kv_spec = pl.BlockSpec((squeezed, squeezed, block_k, head_dim), kv_index_map)
+    out_shape = [jax.ShapeDtypeStruct(q_padded.shape, q.dtype)]
+    out_specs = [pl.BlockSpec((squeezed, squeezed, block_q, head_dim), q_index_map)]
+    if return_lse:  # lane-replicated like m and l: a lane-dense [block_q, 128] store
+        out_shape.append(jax.ShapeDtypeStruct((batch, heads, q_padded.shape[2], NUM_LANES), jnp.float32))
+        out_specs.append(pl.BlockSpec((squeezed, squeezed, block_q, NUM_LANES), row_stat_index_map))
+
+    dims = (batch, heads, q_len, kv_len, head_dim, causal)
+    kernel = functools.partial(
+        _forward_kernel, causal=causal, scale=scale, q_len=q_len, kv_len=kv_len,
+        has_padding=k_padded.shape[2] != kv_len,
+    )
+    outputs = pl.pallas_call(
+        kernel,
+        grid=(batch, heads, num_q_blocks, num_kv_blocks),
+        in_specs=[q_spec, kv_spec, kv_spec],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        scratch_shapes=[
+            pltpu.VMEM((block_q, NUM_LANES), jnp.float32),  # m: running max, lane-replicated
+            pltpu.VMEM((block_q, NUM_LANES), jnp.float32),  # l: running sum, lane-replicated
+            pltpu.VMEM((block_q, head_dim), jnp.float32),  # acc: unnormalised output
+        ],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+        cost_estimate=pl.CostEstimate(
+            flops=cost.attention_flops(*dims, block_sizes=sizes),
+            transcendentals=cost.attention_transcendentals(*dims, block_sizes=sizes, with_lse=return_lse),
+            bytes_accessed=cost.attention_bytes(*dims, q.dtype, block_sizes=sizes, with_lse=return_lse),
+        ),
+        interpret=interpret,
+        name="flash_attention_forward" + ("_causal" if causal else ""),
+    )(q_padded, k_padded, v_padded)
+    out = outputs[0][:, :, :q_len]  # [b, h, q_len, d]
+    if not return_lse:
+        return out
+    return out, outputs[1][:, :, :q_len, 0]  # [b, h, q_len]
