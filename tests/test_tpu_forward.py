@@ -227,7 +227,7 @@ def test_lowers_for_tpu(config):
 
 @pytest.mark.tpu
 @pytest.mark.parametrize("topology", TOPOLOGIES)
-@pytest.mark.parametrize("config", [(*shape, None) for shape in SHAPES[1::2]] + NOTEBOOK_CONFIGS[1:], ids=_config_id)
+@pytest.mark.parametrize("config", [(*shape, None) for shape in SHAPES] + NOTEBOOK_CONFIGS, ids=_config_id)
 def test_compiles_for_tpu(config, topology):
     *shape, causal, sizes = config
     generation = topology.split(":")[0]

@@ -28,6 +28,7 @@ from flashlib import env
 __all__ = [
     "GENERATIONS",
     "MASK_VALUE",
+    "MIB",
     "NUM_LANES",
     "NUM_SUBLANES",
     "BlockSizes",
@@ -82,7 +83,8 @@ def vmem_limit_bytes(generation: str | None = None) -> int:
 
 def _check_block(field: str, value: object, multiple: int, why: str) -> None:
     if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{field} must be a positive int, got {value!r}; e.g. {field}={multiple * 64}")
+        example = round_up(4 * NUM_LANES, multiple)
+        raise ValueError(f"{field} must be a positive int, got {value!r}; e.g. {field}={example}")
     if value % multiple:
         raise ValueError(
             f"{field} must be a multiple of {multiple} ({why}), got {value}; "

@@ -52,15 +52,18 @@ def _forward_kernel(
     q_ref,  # [block_q, head_dim]
     k_ref,  # [block_k, head_dim]
     v_ref,  # [block_k, head_dim]
-    o_ref,  # [block_q, head_dim]
-    *refs,  # (lse_ref [block_q, 128],) m_ref, l_ref [block_q, 128] f32, acc_ref [block_q, head_dim] f32
+    *refs,  # outputs o [block_q, head_dim] (, lse [block_q, 128] f32); scratch m, l [block_q, 128], acc
     causal: bool,
     scale: float,
     q_len: int,
     kv_len: int,
     has_padding: bool,
+    return_lse: bool,
 ):
-    lse_ref, (m_ref, l_ref, acc_ref) = (refs[0], refs[1:]) if len(refs) == 4 else (None, refs)
+    if return_lse:
+        o_ref, lse_ref, m_ref, l_ref, acc_ref = refs
+    else:
+        (o_ref, m_ref, l_ref, acc_ref), lse_ref = refs, None
     block_q, head_dim = q_ref.shape
     block_k = k_ref.shape[0]
     q_block, kv_block = pl.program_id(2), pl.program_id(3)
@@ -98,11 +101,18 @@ def _forward_kernel(
         pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)  # [block_q, head_dim]
         acc_ref[...] = acc_ref[...] * _lanes_to(alpha, head_dim) + pv  # [block_q, head_dim]
 
-    if causal or has_padding:
+    if causal or has_padding:  # three kinds of block: skipped, masked (diagonal or padding), plain
         block_visible = cost.block_is_visible(q_block, kv_block, **geometry)
         needs_mask = cost.block_needs_mask(q_block, kv_block, **geometry)
-        pl.when(block_visible & needs_mask)(functools.partial(body, masked=True))
-        pl.when(block_visible & ~needs_mask)(functools.partial(body, masked=False))
+
+        @pl.when(block_visible & needs_mask)
+        def masked_body():
+            body(masked=True)
+
+        @pl.when(block_visible & ~needs_mask)
+        def plain_body():
+            body(masked=False)
+
     else:
         body(masked=False)
 
@@ -218,7 +228,7 @@ def _forward(q, k, v, *, causal: bool, scale: float, sizes: BlockSizes, interpre
     dims = (batch, heads, q_len, kv_len, head_dim, causal)
     kernel = functools.partial(
         _forward_kernel, causal=causal, scale=scale, q_len=q_len, kv_len=kv_len,
-        has_padding=k_padded.shape[2] != kv_len,
+        has_padding=k_padded.shape[2] != kv_len, return_lse=return_lse,
     )
     outputs = pl.pallas_call(
         kernel,
