@@ -109,7 +109,8 @@ def _race_state():
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_tpu_interpret_mode_detects_no_races(causal):
-    """TPU-semantics emulation: DMAs, VMEM and semaphores simulated, parallel grid axes reordered."""
+    """TPU-semantics emulation: DMAs, VMEM and semaphores simulated (and parallel grid axes may run out
+    of order, as they may across a chip's cores)."""
     pltpu.reset_tpu_interpret_mode_state()
     q, k, v = make_qkv(q_len=136, kv_len=256, head_dim=32)
     params = pltpu.InterpretParams(detect_races=True)
@@ -123,7 +124,7 @@ def test_tpu_interpret_mode_detects_no_races(causal):
 
 def test_causal_skips_copies_of_blocks_above_the_diagonal():
     """The clamped k/v index maps: a causal run copies far fewer k blocks than a full one (counted from
-    TPU interpret mode's HBM read log; it reorders parallel grid axes, so compare, don't equate)."""
+    TPU interpret mode's HBM read log; it may walk parallel grid axes out of order, so bound, don't equate)."""
     q, k, v = make_qkv(heads=1, q_len=512, head_dim=32)
     reads, params = {}, pltpu.InterpretParams(detect_races=True)
     for causal in (False, True):
