@@ -15,11 +15,13 @@ Modules: ``api`` (contract, registry), ``reference`` (naive, float64 oracle, sof
 # Importing the stage modules registers them with the entry point.
 from flashlib import blockwise, checks, data, env, kernels, reference, tpu_compile, xla
 from flashlib.api import AttentionShape, attention, get_implementation, implementations, validate_inputs
+from flashlib.kernels import BlockSizes
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AttentionShape",
+    "BlockSizes",
     "attention",
     "blockwise",
     "checks",
