@@ -1,0 +1,222 @@
+"""flashlib.estimate and flashlib.llo_dump: parsing libtpu's dumps, the arithmetic, the errors, real estimates.
+
+The parsing and arithmetic tests run anywhere. Tests that compile (``@pytest.mark.tpu``) need libtpu, and the
+estimates themselves a libtpu new enough to know the profile flag (the newest-jax environment, not Colab's
+0.0.23); each compile runs in a subprocess and takes a few seconds.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.experimental import pallas as pl
+
+from flashlib import env, estimate, hardware, llo_dump
+from flashlib.estimate import CycleEstimate
+
+DATA = Path(__file__).parent / "data"
+needs_profile = pytest.mark.skipif(
+    not estimate.supports_static_profile(),
+    reason=f"libtpu {estimate.libtpu_version()} predates the static profile flag (needs >= "
+    f"{'.'.join(map(str, estimate.MIN_LIBTPU))}, the newest-jax environment)",
+)
+
+# ---------------------------------------------------------------------------------------------------
+# Parsing (real files written by libtpu 0.0.50.1)
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_profile_of_jax_flash_attention_sample():
+    text = (DATA / "sample_static_llo_profile.textproto").read_text()
+    assert llo_dump.profile_cycles(text) == {"flash_attention.1": 178_098}
+    fields = llo_dump.parse_textproto(text)["hlo_op_estimate"][0]
+    assert fields["dma_instruction_type"] == ["DMA_INSTRUCTION_TYPE_LOCAL"] and fields["scalar_inputs"] == [0]
+
+
+def test_profile_with_a_nested_instruction_sample():
+    text = (DATA / "sample_pad_static_llo_profile.textproto").read_text()
+    assert llo_dump.profile_cycles(text) == {"pad.4.q_ref": 0}
+    instruction = llo_dump.parse_textproto(text)["hlo_op_estimate"][0]["hlo_instruction"][0]
+    assert instruction["opcode"] == ["pad"] and instruction["shape"][0]["dimensions"] == [1, 8, 1024, 128]
+
+
+def test_read_profile_dir_collects_every_profile():
+    assert llo_dump.read_profile_dir(DATA) == {"flash_attention.1": 178_098, "pad.4.q_ref": 0}
+
+
+def test_textproto_syntax():
+    text = '''# a comment
+    a: 1  b: -2.5e3 flag: true name: "x \\"y\\"" kind: ENUM_VALUE
+    m { k: 1 } m < k: 2 >; list: [1, 2]
+    '''
+    tree = llo_dump.parse_textproto(text.replace("list: [1, 2]", ""))
+    assert tree["a"] == [1] and tree["b"] == [-2500.0] and tree["flag"] == [True]
+    assert tree["name"] == ['x "y"'] and tree["kind"] == ["ENUM_VALUE"]
+    assert tree["m"] == [{"k": [1]}, {"k": [2]}]
+    assert llo_dump.profile_cycles('x { hlo_op_name: "k" estimated_cycles: 5 } y { hlo_op_name: "k" '
+                                   "estimated_cycles: 7 }") == {"k": 12}  # the same op twice is summed
+    with pytest.raises(ValueError, match="not closed"):
+        llo_dump.parse_textproto("m { k: 1")
+
+
+BUNDLES = """\
+= control target key start
+LB: loop body
+= control target key end
+
+     0   :  { %s1_s0 = inlined_call_operand.hbm [shape: bf16[1,8,2048,128], index: 0] /* a = b */ }
+  0x25   : > { %7713 = dma.hbm_to_vmem [thread:$0]  (!%p8969_p8), /*hbm=*/%s227_s7, /*size_in_granules=*/4096 }
+ 0x140   : > { %1046 = vmatmul.bf16.vlgmr.msra.gmra.mxu0 %v7410_v38 }
+ 0x141   : > { %4466 = vmatpush.bf16.msrb.mxu0 %v7481_v36  ;;  %1215 = vmatmul.bf16.vlgmr.msra.gmra.mxu1 %v7410 }
+ 0x152   : > { %1558 = vmatmul.bf16.gmra.mxu3 %v7411_v39  ;;  %v7494_v39 = vld [vmem:[%s9098_s2 + $0xa0] sm:$0xff] }
+ 0x160 LB: > { %v1 = vpop.f32.mrf.mxu3  ;;  %v2 = vmax.xlane.f32.xlu0 %v1  ;;  %v3 = vpop.eup %v2 }
+ 0x161   : > { %9 = vst [vmem:[#allocation3] sm:$0xff] %v3  ;;  %10 = dma.done.wait [#allocation7], 4096 }
+"""
+
+
+def test_bundle_stats_counts_instruction_kinds():
+    stats = llo_dump.bundle_stats(BUNDLES, "k")
+    assert stats.bundles == 7
+    assert (stats.vmatmul, stats.vmatpush, stats.mxu_pop, stats.xlu, stats.eup) == (3, 1, 1, 1, 1)
+    assert (stats.vld, stats.vst, stats.dma) == (1, 1, 1)  # dma.done.wait waits, it does not copy
+    assert stats.mxus == ("mxu0", "mxu1", "mxu3")
+    assert "3 bundles" not in str(stats) and "MXUs mxu0/mxu1/mxu3" in str(stats)
+
+
+def test_read_bundle_dir_skips_helper_programs(tmp_path):
+    (tmp_path / "17-flash.1-72-final_bundles.txt").write_text(BUNDLES)
+    (tmp_path / "17-flash.1-71-schedule-analysis_final_bundles.txt").write_text("Schedule analysis:")
+    (tmp_path / "17-<late-finalization>-68-final_bundles.txt").write_text(BUNDLES)
+    (tmp_path / "17-TLP-73-final_bundles.txt").write_text(BUNDLES)
+    assert list(llo_dump.read_bundle_dir(tmp_path)) == ["flash.1"]
+    assert llo_dump.read_bundle_dir(tmp_path, ops={"other"}) == {}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Arithmetic and errors (no compile)
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_cycle_estimate_arithmetic():
+    chip = hardware.CHIPS["v5e"]
+    est = CycleEstimate("v5e:1x1", chip, {"kernel": 150_000, "pad": 50_000}, flops=131_072 * 100_000.0,
+                        libtpu_version="0.0.50.1", compile_seconds=1.0)
+    assert est.total_cycles == 200_000 and est.mxu_floor == 100_000 and est.floor_ratio == 2.0
+    assert est.seconds == pytest.approx(200_000 / chip.clock_hz)
+    assert est.tflops_per_second == pytest.approx(chip.peak_bf16_flops / 2 / 1e12)  # half the MXU peak
+    assert "200,000 cycles" in str(est) and "2.00x the MXU floor" in str(est)
+
+
+def test_v4_is_refused_in_plain_words():
+    with pytest.raises(estimate.UnsupportedChipError, match="does not cover TPU v4"):
+        estimate.estimate_attention("pallas", seq=256, block_q=128, block_k=128, topology="v4:2x2x1")
+
+
+def test_missing_libtpu_says_how_to_install(monkeypatch):
+    monkeypatch.setattr(env, "has_libtpu", lambda: False)
+    with pytest.raises(estimate.LibtpuMissingError, match=r"pip install 'jax\[tpu\]'"):
+        estimate.estimate_attention("pallas", seq=256, block_q=128, block_k=128)
+
+
+def test_old_libtpu_is_refused_by_version(monkeypatch):
+    monkeypatch.setattr(env, "has_libtpu", lambda: True)
+    monkeypatch.setattr(estimate, "libtpu_version", lambda: "0.0.23")
+    assert not estimate.supports_static_profile()
+    with pytest.raises(estimate.LibtpuTooOldError, match=r"need libtpu >= 0\.0\.42.*this is libtpu 0\.0\.23"):
+        estimate.estimate_attention("pallas", seq=256, block_q=128, block_k=128)
+
+
+@pytest.mark.parametrize(
+    ("stderr", "error", "words"),
+    [
+        ("ERROR: Unknown command line flag 'xla_jf_dump_static_llo_profile_to'", estimate.LibtpuTooOldError,
+         "libtpu >= 0.0.42"),
+        ("F1130 ...] Static LLO profiling of k failed: INVALID_ARGUMENT: Dma latency model is currently only "
+         "supported on VF/VL/GF/GL.", estimate.UnsupportedChipError, "does not cover"),
+        ("noise\nF1130 00:36:42.5 25004 llo_module.cc:75] Check failed: TakeStatus() is OK (INTERNAL: Expected "
+         "vector-f32, got vector-bf16packed", estimate.ProfilerCrashError, "Expected vector-f32"),
+        ("Segmentation fault", estimate.EstimateError, "Segmentation fault"),
+    ],
+)
+def test_a_dead_subprocess_is_explained(stderr, error, words):
+    err = estimate._diagnose(stderr, "0.0.50.1")
+    assert type(err) is error and words in str(err)
+
+
+def test_a_lambda_cannot_travel_to_the_subprocess():
+    x = jax.ShapeDtypeStruct((8, 128), jnp.float32)
+    with pytest.raises(estimate.EstimateError, match="module-level function"):
+        estimate._pickled_call(lambda a: a, {}, (x,))
+    assert estimate._shapes((x, jnp.zeros((2, 3), jnp.bfloat16))) == [((8, 128), "float32"), ((2, 3), "bfloat16")]
+
+
+def test_flashlib_blocks_are_checked_before_any_compile():
+    with pytest.raises(ValueError, match="over the 16 MiB scoped limit of v5e"):
+        estimate.estimate_attention("pallas", seq=2048, block_q=2048, block_k=2048)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Real estimates: compiled for a TPU target in a subprocess
+# ---------------------------------------------------------------------------------------------------
+
+
+def _scale_kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...] * 2.0
+
+
+def scaled_copy(x, *, block_rows: int):
+    """A module-level Pallas kernel (so the subprocess can import it): ``2 * x`` in ``[block_rows, 512]`` tiles."""
+    spec = pl.BlockSpec((block_rows, 512), lambda i, j: (i, j))
+    grid = (x.shape[0] // block_rows, x.shape[1] // 512)
+    return pl.pallas_call(_scale_kernel, grid=grid, in_specs=[spec], out_specs=spec,
+                          out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), name="scaled_copy")(x)
+
+
+@pytest.mark.tpu
+@needs_profile
+def test_estimates_grow_linearly_with_the_grid():
+    small, big = (estimate.estimate_cycles(scaled_copy, jax.ShapeDtypeStruct((rows, 2048), jnp.float32),
+                                           block_rows=128) for rows in (512, 1024))
+    assert list(small.kernels) == ["scaled_copy.1"]
+    assert big.total_cycles / small.total_cycles == pytest.approx(2.0, rel=0.1)  # twice the grid steps
+
+
+@pytest.mark.tpu
+@needs_profile
+def test_attention_estimate_grows_with_the_grid_and_respects_the_floor():
+    small, big = (estimate.estimate_attention("pallas", heads=1, seq=seq, block_q=128, block_k=128)
+                  for seq in (512, 1024))
+    assert big.total_cycles / small.total_cycles == pytest.approx(4.0, rel=0.15)  # 16 -> 64 grid steps
+    assert big.floor_ratio > 1.0 and big.flops == 4 * 1024 * 1024 * 128
+
+
+@pytest.mark.tpu
+@needs_profile
+def test_reproduces_the_reference_estimate_of_jax_flash_attention():
+    # /work/shared/reference/jax-kernel-tpu-estimates.md: T=2048, q512/km2048/k512, v5e -> 178,098 cycles
+    est = estimate.estimate_attention("jax_flash", seq=2048, block_q=512, block_k_major=2048, block_k=512)
+    assert est.kernels == {"flash_attention.1": 178_098}
+    assert est.floor_ratio == pytest.approx(1.36, abs=0.005)
+
+
+@pytest.mark.tpu
+@needs_profile
+def test_bundle_stats_show_the_mxus_the_compiler_uses():
+    x = jax.ShapeDtypeStruct((256, 256), jnp.bfloat16)
+    for topology, mxus in (("v5e:1x1", 4), ("v6e:1x1", 2)):
+        stats = estimate.bundle_stats("jax.numpy:matmul", x, x, topology=topology)  # an XLA op, by name
+        assert stats and all(s.bundles > 0 for s in stats.values())
+        used = {m for s in stats.values() for m in s.mxus}
+        assert len(used) == mxus == hardware.CHIPS[topology.split(":")[0]].mxus_per_core
+
+
+@pytest.mark.tpu
+@pytest.mark.skipif(estimate.supports_static_profile(), reason="this libtpu knows the flag; the too-old path "
+                    "is for Colab's libtpu 0.0.23")
+def test_old_libtpu_is_refused_by_what_it_says(monkeypatch):
+    monkeypatch.setattr(estimate, "supports_static_profile", lambda: True)  # skip the version check: ask libtpu
+    with pytest.raises(estimate.LibtpuTooOldError, match="does not know the"):
+        estimate.estimate_cycles(scaled_copy, jax.ShapeDtypeStruct((512, 512), jnp.float32), block_rows=128)
