@@ -22,13 +22,14 @@ from matplotlib.animation import FuncAnimation
 from matplotlib.axes import Axes
 from matplotlib.colors import to_rgba
 from matplotlib.figure import Figure
-from matplotlib.patches import Patch, Rectangle
+from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Patch, Rectangle
 from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator
 
 __all__ = [
     "PALETTE", "SERIES_COLORS", "OnlineStep", "TileStep", "animate", "filmstrip", "format_bytes", "new_figure",
-    "online_softmax_trace", "plot_attention_map", "plot_hbm_traffic", "plot_memory_scaling",
-    "plot_online_softmax_step", "plot_tiling_step", "tiling_steps", "to_jshtml",
+    "online_softmax_trace", "plot_attention_map", "plot_hbm_traffic", "plot_kv_schedule", "plot_matmul_step",
+    "plot_memory_scaling", "plot_online_softmax_step", "plot_tiling_step", "plot_tpu_anatomy", "plot_vmem_budget",
+    "tiling_steps", "to_jshtml",
 ]
 
 PALETTE: dict[str, str] = {
@@ -232,6 +233,50 @@ def plot_tiling_step(
     return fig
 
 
+def plot_kv_schedule(
+    steps: Sequence[TileStep], fetched: Sequence[int], *, ax: Axes | None = None, title: str | None = None,
+) -> Figure:
+    """Which key/value block each grid step of a flash-attention kernel has in VMEM, and when it is copied.
+
+    One cell per grid step (rows: query blocks, columns: the kv grid index), coloured by what the step does
+    (``steps`` from :func:`tiling_steps`: compute, masked, skipped). The number in a cell is ``fetched[s]``,
+    the kv block the step's index map names. Pallas copies a block from HBM only when that index differs
+    from the previous step's (the grid runs row by row), so those cells are outlined: the count of outlined
+    cells is the number of k (and v) block copies, shown in the title.
+    """
+    if len(fetched) != len(steps):
+        raise ValueError(f"need one fetched block per step: {len(steps)} steps, {len(fetched)} fetched")
+    rows = 1 + max(s.q_block for s in steps)
+    cols = 1 + max(s.kv_block for s in steps)
+    fig, ax = _figure_and_axes(ax, (1.2 + 0.55 * cols, 1.0 + 0.55 * rows))
+    colors = {"compute": (PALETTE["S"], 0.75), "masked": (PALETTE["S"], 0.45), "skipped": (PALETTE["skipped"], 0.35)}
+    copies = 0
+    for n, (step, block) in enumerate(zip(steps, fetched, strict=True)):
+        color, alpha = colors[step.kind]
+        _tile(ax, step.kv_block, step.q_block, 1, 1, color, alpha, hatch="///" if step.kind == "masked" else "",
+              edge=PALETTE["masked"] if step.kind == "masked" else "white")
+        copied = n == 0 or block != fetched[n - 1]
+        copies += copied
+        if copied:
+            ax.add_patch(Rectangle((step.kv_block + 0.06, step.q_block + 0.06), 0.88, 0.88, fill=False, lw=2,
+                                   edgecolor=PALETTE["ink"]))
+        ax.text(step.kv_block + 0.5, step.q_block + 0.5, str(block), ha="center", va="center", fontsize=9,
+                fontweight="bold" if copied else "normal", color=PALETTE["ink"] if copied else "grey")
+    ax.set_xlim(-0.05, cols + 0.05)
+    ax.set_ylim(rows + 0.05, -0.05)
+    ax.set_aspect("equal")
+    ax.set_xticks(np.arange(cols) + 0.5, labels=[str(j) for j in range(cols)])
+    ax.set_yticks(np.arange(rows) + 0.5, labels=[str(i) for i in range(rows)])
+    ax.tick_params(length=0, labelsize=8)
+    ax.set_xlabel("kv grid step j", fontsize=9)
+    ax.set_ylabel("query block i", fontsize=9)
+    for side in ax.spines.values():
+        side.set_visible(False)
+    heading = f"{copies} k/v block copies for {len(steps)} grid steps"
+    ax.set_title(f"{title}\n{heading}" if title else heading, fontsize=10)
+    return fig
+
+
 # -- Online softmax, one block at a time ----------------------------------------------------------
 
 
@@ -407,6 +452,180 @@ def plot_hbm_traffic(
         ax.yaxis.set_major_formatter(FuncFormatter(format_bytes))
     ax.set_xticks(x, labels=[str(n) for n in lengths])
     return _finish(ax, "sequence length", ylabel, title)
+
+
+def plot_vmem_budget(
+    configs: Mapping[str, Mapping[str, float]], limits: Mapping[str, float], ax: Axes | None = None,
+    title: str | None = None,
+) -> Figure:
+    """Horizontal stacked bars of VMEM bytes, one bar per configuration, against vertical limit lines.
+
+    ``configs[name][part] = bytes`` (e.g. ``{"512 x 512": {"q, k, v, out (x2)": ..., "scratch": ...}}``; every
+    configuration has the same parts, in the same order); ``limits[name] = bytes`` (e.g. the scoped-VMEM
+    limits of v5e and v6e). Each bar ends with its total in MiB, red when it exceeds the smallest limit.
+    """
+    names = list(configs)
+    parts = list(next(iter(configs.values()))) if names else []
+    mib = float(1 << 20)
+    fig, ax = _figure_and_axes(ax, (8.0, 1.3 + 0.45 * max(len(names), 1)))
+    y = np.arange(len(names))[::-1]
+    left = np.zeros(len(names))
+    for part, color in zip(parts, cycle(SERIES_COLORS[1:] + SERIES_COLORS[:1])):
+        widths = np.array([configs[name][part] for name in names], dtype=np.float64) / mib
+        ax.barh(y, widths, left=left, color=color, label=part, height=0.6)
+        left += widths
+    smallest = min(limits.values(), default=np.inf) / mib
+    for yi, total in zip(y, left, strict=True):
+        ax.text(total, yi, f" {total:.1f} MiB", va="center", fontsize=8,
+                color=PALETTE["masked"] if total > smallest else PALETTE["ink"])
+    for (name, limit), style in zip(limits.items(), cycle(["--", ":", "-."])):
+        ax.axvline(limit / mib, color=PALETTE["ink"], ls=style, lw=1.2)
+        ax.text(limit / mib, len(names) - 0.45, f" {name}: {limit / mib:g} MiB", fontsize=8, va="bottom",
+                color=PALETTE["ink"])
+    ax.set_yticks(y, labels=names)
+    ax.set_ylim(-0.6, len(names) - 0.1)
+    ax.set_xlim(0, max(float(left.max(initial=0.0)), max(limits.values(), default=0) / mib) * 1.22)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, 0.0), borderaxespad=4.6, ncol=max(len(parts), 1), fontsize=8,
+              frameon=False)  # under the x label
+    ax.set_xlabel("VMEM (MiB)")
+    if title:
+        ax.set_title(title, fontsize=10)
+    return fig
+
+
+# -- The TPU as a kernel sees it, and a kernel's grid ---------------------------------------------
+
+
+def _box(ax: Axes, x: float, y: float, w: float, h: float, title: str, body: str, color: str,
+         alpha: float = 0.18) -> None:
+    """A rounded, tinted box with a bold title on top and smaller text under it."""
+    style = "round,pad=0.02,rounding_size=0.12"
+    ax.add_patch(FancyBboxPatch((x, y), w, h, boxstyle=style, facecolor=color, alpha=alpha, edgecolor="none"))
+    ax.add_patch(FancyBboxPatch((x, y), w, h, boxstyle=style, facecolor="none", edgecolor=color, lw=1.5))
+    lines = title.count("\n") + 1
+    ax.text(x + w / 2, y + h - 0.12, title, ha="center", va="top", fontsize=10.5, fontweight="bold",
+            color=PALETTE["ink"])
+    ax.text(x + w / 2, y + h - 0.2 - 0.32 * lines, body, ha="center", va="top", fontsize=8.5,
+            color=PALETTE["ink"], linespacing=1.35)
+
+
+def _arrow(ax: Axes, start: tuple[float, float], end: tuple[float, float], label: str = "") -> None:
+    """A double-headed arrow (data moves both ways) with an optional label above its middle."""
+    ax.add_patch(FancyArrowPatch(start, end, arrowstyle="<|-|>", mutation_scale=12, lw=1.4, color=PALETTE["ink"]))
+    if label:
+        ax.text((start[0] + end[0]) / 2, (start[1] + end[1]) / 2 + 0.12, label, ha="center", va="bottom",
+                fontsize=8, color=PALETTE["ink"], linespacing=1.2)
+
+
+def plot_tpu_anatomy(
+    ax: Axes | None = None, *, chip: str = "TPU v5e", hbm: str = "16 GB · 819 GB/s",
+    vmem: str = "128 MiB; one kernel gets\n16 MiB by default (scoped)", smem: str = "1 MiB",
+    mxu: str = "4 × 128×128", title: str | None = None,
+) -> Figure:
+    """The memories and units a Pallas TPU kernel programs, with where each piece of a kernel lives.
+
+    HBM holds the whole arrays; a kernel's BlockSpecs copy blocks of them into VMEM by DMA (double-buffered,
+    so the next step's copy overlaps this step's compute); the scalar unit reads SMEM and runs the grid loop
+    and the index maps; vector registers of ``[8 sublanes × 128 lanes]`` 32-bit values feed the VPU
+    (elementwise) and the MXUs (matmuls). The keyword arguments are the figures printed in the boxes
+    (defaults: TPU v5e, per TensorCore).
+    """
+    fig, ax = _figure_and_axes(ax, (11.0, 5.6))
+    ink = PALETTE["ink"]
+    _box(ax, 0.0, 0.3, 2.3, 5.3, "HBM", f"{hbm}\n\nthe whole arrays:\nq, k, v, out\n\noff-chip memory:\n"
+         "large, but far\nslower than VMEM", PALETTE["skipped"], alpha=0.35)
+    ax.add_patch(FancyBboxPatch((3.4, 0.0), 8.2, 5.9, boxstyle="round,pad=0.02,rounding_size=0.15",
+                                facecolor="none", edgecolor=ink, lw=1.2, ls="--"))
+    ax.text(7.5, 6.0, f"one TensorCore ({chip})", ha="center", va="bottom", fontsize=10, color=ink)
+    _box(ax, 3.6, 4.1, 2.9, 1.6, "scalar unit + SMEM", f"SMEM {smem}: scalars.\nRuns the grid loop and\n"
+         "the index maps; issues DMAs", PALETTE["O"])
+    _box(ax, 3.6, 0.3, 2.9, 3.5, "VMEM", f"{vmem}\n\nthis step's blocks of\nq, k, v, out (two of each:\n"
+         "double-buffered), and\nscratch that outlives a\nstep (m, l, acc)", PALETTE["Q"])
+    _box(ax, 7.2, 0.3, 2.0, 5.4, "vector\nregisters", "each [8 × 128] × 32 bit\n= 4 KiB (bf16: [16 × 128],\n"
+         "two values per 32 bits)", PALETTE["V"], alpha=0.12)
+    x0, y0, w, h = 7.45, 0.6, 1.5, 2.0  # one vreg: 8 sublanes (rows) x 128 lanes (thin columns)
+    ax.add_patch(Rectangle((x0, y0), w, h, facecolor=PALETTE["V"], alpha=0.55, edgecolor=ink, lw=0.8))
+    for lane in range(1, 128):
+        ax.plot([x0 + lane * w / 128] * 2, [y0, y0 + h], color="white", lw=0.5 if lane % 8 else 0.9, alpha=0.7)
+    for sublane in range(1, 8):
+        ax.plot([x0, x0 + w], [y0 + sublane * h / 8] * 2, color="white", lw=1.2)
+    ax.text(x0 + w / 2, y0 + h + 0.08, "128 lanes →", ha="center", va="bottom", fontsize=8, color=ink)
+    ax.text(x0 - 0.06, y0 + h / 2, "8 sublanes", ha="right", va="center", rotation=90, fontsize=8, color=ink)
+    ax.text(x0 + w / 2, y0 - 0.08, "one vreg", ha="center", va="top", fontsize=8, color=ink)
+    _box(ax, 9.9, 3.0, 1.5, 2.7, "VPU", "elementwise\non whole\nvregs: +, ×,\nmax, exp,\nwhere", PALETTE["V"])
+    _box(ax, 9.9, 0.3, 1.5, 2.4, "MXU", f"{mxu}\nsystolic\nmatmul:\nbf16 in,\nf32 out", PALETTE["S"], alpha=0.3)
+    _arrow(ax, (2.35, 2.0), (3.55, 2.0), "DMA\n(BlockSpec\ncopies)")
+    _arrow(ax, (6.55, 2.0), (7.15, 2.0), "load/\nstore")
+    _arrow(ax, (9.25, 4.3), (9.85, 4.3))
+    _arrow(ax, (9.25, 1.5), (9.85, 1.5))
+    ax.set_xlim(-0.1, 11.7)
+    ax.set_ylim(-0.15, 6.4)
+    ax.set_aspect("equal")
+    ax.axis("off")
+    ax.set_title(title or "A TPU as a Pallas kernel sees it: copy blocks HBM → VMEM, compute on registers",
+                 fontsize=11)
+    return fig
+
+
+def plot_matmul_step(
+    grid: tuple[int, int, int], visits: Sequence[tuple[int, int, int]], step: int, *, ax: Axes | None = None,
+    legend: bool = True, title: str | None = None,
+) -> Figure:
+    """One step of a tiled matmul ``O = X @ Y`` on the grid ``(i, j, k)``, with ``visits`` the order the grid
+    was walked (e.g. recorded from TPU interpret mode).
+
+    ``X`` (left) is ``grid[0] x grid[2]`` blocks, ``Y`` (top) ``grid[2] x grid[1]``, ``O`` (bottom right)
+    ``grid[0] x grid[1]``. At ``visits[step] = (i, j, k)`` the step multiplies ``X[i, k]`` by ``Y[k, j]`` into
+    the f32 accumulator of ``O[i, j]`` (hatched while it sits in VMEM). Like the kernel, it initialises the
+    accumulator at ``k == 0`` and writes ``O[i, j]`` at ``k == grid[2] - 1``; a finished output block shows
+    when it was finished (``#1``, ``#2``, ...), which is the order the grid's parallel axes were visited.
+    """
+    num_i, num_j, num_k = grid
+    if not 0 <= step < len(visits):
+        raise ValueError(f"step must be in [0, {len(visits)}), got {step}")
+    i, j, k = visits[step]
+    fig, ax = _figure_and_axes(ax, (5.5, 5.2))
+    gap, strong, faint = 0.45, 0.85, 0.1
+    seen = visits[: step + 1]
+    for (a, c), (dx, dy), key in (((num_i, num_k), (-num_k - gap, 0), "X"), ((num_k, num_j), (0, -num_k - gap), "Y")):
+        for r in range(a):
+            for col in range(c):
+                now = (r, col) == ((i, k) if key == "X" else (k, j))
+                was = any(((v[0], v[2]) if key == "X" else (v[2], v[1])) == (r, col) for v in seen)
+                color = PALETTE["Q"] if key == "X" else PALETTE["K"]
+                _tile(ax, dx + col, dy + r, 1, 1, color, strong if now else (0.3 if was else faint))
+    finished = [(v[0], v[1]) for v in seen[:-1] if v[2] == num_k - 1]
+    for r in range(num_i):
+        for col in range(num_j):
+            if (r, col) == (i, j):
+                _tile(ax, col, r, 1, 1, PALETTE["O"], 0.35, hatch="//", edge=PALETTE["O"])
+            elif (r, col) in finished:
+                _tile(ax, col, r, 1, 1, PALETTE["O"], 0.6)
+                ax.text(col + 0.5, r + 0.5, f"#{finished.index((r, col)) + 1}", ha="center", va="center",
+                        fontsize=9, color="white", fontweight="bold")
+            else:
+                _tile(ax, col, r, 1, 1, PALETTE["O"], faint)
+    if k == num_k - 1:
+        ax.text(j + 0.5, i + 0.5, "write", ha="center", va="center", fontsize=8, color=PALETTE["ink"])
+    for (x, y, w, h) in ((-num_k - gap + k, i, 1, 1), (j, -num_k - gap + k, 1, 1), (j, i, 1, 1)):
+        ax.add_patch(Rectangle((x, y), w, h, fill=False, lw=2.2, edgecolor=PALETTE["ink"]))
+    font = {"fontsize": 10, "fontweight": "bold", "ha": "center", "va": "center"}
+    ax.text(-num_k / 2 - gap, -gap / 2 - 0.05, "X", color=PALETTE["Q"], **font)
+    ax.text(-gap / 2, -num_k / 2 - gap, "Y", color=PALETTE["K"], **font)
+    ax.text(num_j / 2, num_i + 0.3, "O = X @ Y", color=PALETTE["O"], **{**font, "fontsize": 9})
+    ax.set_xlim(-num_k - gap - 0.1, num_j + 0.1)
+    ax.set_ylim(num_i + 0.6, -num_k - gap - 0.1)
+    ax.set_aspect("equal")
+    ax.axis("off")
+    phases = (["init acc"] if k == 0 else []) + ["acc += X·Y"] + (["write O"] if k == num_k - 1 else [])
+    ax.set_title(title or f"step {step}/{len(visits) - 1}: (i, j, k) = ({i}, {j}, {k})\n" + ", ".join(phases),
+                 fontsize=10)
+    if legend:
+        handles = [Patch(color=PALETTE["Q"], label="X block"), Patch(color=PALETTE["K"], label="Y block"),
+                   Patch(facecolor=to_rgba(PALETTE["O"], 0.35), edgecolor=PALETTE["O"], hatch="//",
+                         label="acc in VMEM"), Patch(color=to_rgba(PALETTE["O"], 0.6), label="O written (#order)")]
+        ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=2, fontsize=7, frameon=False)
+    return fig
 
 
 # -- Static and animated sequences (what a reader of the rendered notebook sees without a kernel) -

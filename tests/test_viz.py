@@ -117,7 +117,11 @@ def test_online_softmax_trace_rows_and_masked_keys():
 
 
 def _texts(fig: Figure) -> str:
-    return " ".join(t.get_text() for ax in fig.axes for t in [ax.title, *ax.texts])
+    return " ".join(_text_list(fig))
+
+
+def _text_list(fig: Figure) -> list[str]:
+    return [t.get_text() for ax in fig.axes for t in [ax.title, *ax.texts]]
 
 
 def test_plot_tiling_step_draws_every_step():
@@ -157,6 +161,49 @@ def test_plot_memory_scaling_and_hbm_traffic():
     fig = viz.plot_hbm_traffic(traffic)
     assert isinstance(fig, Figure)
     assert "×6" in _texts(fig)  # 12 * 512**2 / (2048 * 512)
+
+
+def test_plot_kv_schedule_counts_copies():
+    steps = viz.tiling_steps(256, 256, 64, 128, causal=True)  # 4 query blocks x 2 kv steps
+    clamped = [min(s.kv_block, ((s.q_block + 1) * 64 - 1) // 128) for s in steps]  # [0, 0, 0, 0, 0, 1, 0, 1]
+    fig = viz.plot_kv_schedule(steps, clamped, title="clamped")
+    assert "clamped\n4 k/v block copies for 8 grid steps" in _text_list(fig)
+    fig = viz.plot_kv_schedule(steps, [s.kv_block for s in steps])
+    assert "8 k/v block copies for 8 grid steps" in _text_list(fig)
+    with pytest.raises(ValueError, match="one fetched block per step"):
+        viz.plot_kv_schedule(steps, clamped[:-1])
+
+
+def test_plot_vmem_budget_totals_and_limits():
+    mib = 2**20
+    configs = {"small": {"blocks": 2 * mib, "scratch": 1 * mib}, "big": {"blocks": 12 * mib, "scratch": 8 * mib}}
+    fig = viz.plot_vmem_budget(configs, {"v5e": 16 * mib, "v6e": 32 * mib}, title="budget")
+    texts = _text_list(fig)
+    assert " 3.0 MiB" in texts and " 20.0 MiB" in texts and " v5e: 16 MiB" in texts
+    over = [t for t in fig.axes[0].texts if t.get_text() == " 20.0 MiB"][0]
+    assert over.get_color() == viz.PALETTE["masked"]  # over the smallest limit: red
+    assert len(fig.axes[0].patches) == 4  # two bars of two parts
+
+
+def test_plot_tpu_anatomy_names_every_memory_and_unit():
+    fig = viz.plot_tpu_anatomy(hbm="32 GB · 1640 GB/s", chip="TPU v6e")
+    texts = _text_list(fig)
+    for name in ("HBM", "VMEM", "scalar unit + SMEM", "VPU", "MXU", "8 sublanes", "128 lanes →"):
+        assert name in texts, name
+    assert any("32 GB · 1640 GB/s" in t for t in texts) and "one TensorCore (TPU v6e)" in texts
+
+
+def test_plot_matmul_step_phases_and_finish_order():
+    grid = (2, 2, 3)
+    visits = [(i, j, k) for i in (1, 0) for j in (0, 1) for k in range(3)]  # row 1 first, as a shuffle may do
+    titles = [_text_list(viz.plot_matmul_step(grid, visits, step)) for step in range(len(visits))]
+    assert any("init acc, acc += X·Y" in t for t in titles[0])
+    assert any(t.endswith("acc += X·Y, write O") for t in titles[2])
+    assert not any("init" in t or "write O" in t for t in titles[1])
+    last = titles[-1]
+    assert {"#1", "#2", "#3"} <= set(last) and "#4" not in last  # three output blocks finished before the last step
+    with pytest.raises(ValueError, match="step must be in"):
+        viz.plot_matmul_step(grid, visits, len(visits))
 
 
 def test_format_bytes():
