@@ -28,8 +28,8 @@ from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator
 __all__ = [
     "PALETTE", "SERIES_COLORS", "OnlineStep", "TileStep", "animate", "filmstrip", "format_bytes", "new_figure",
     "online_softmax_trace", "plot_attention_map", "plot_hbm_traffic", "plot_kv_schedule", "plot_matmul_step",
-    "plot_memory_scaling", "plot_online_softmax_step", "plot_tiling_step", "plot_tpu_anatomy", "plot_vmem_budget",
-    "tiling_steps", "to_jshtml",
+    "plot_memory_scaling", "plot_online_softmax_step", "plot_q_schedule", "plot_tiling_step", "plot_tpu_anatomy",
+    "plot_vmem_budget", "tiling_steps", "to_jshtml",
 ]
 
 PALETTE: dict[str, str] = {
@@ -276,6 +276,30 @@ def plot_kv_schedule(
     ax.set_title(f"{title}\n{heading}" if title else heading, fontsize=10)
     return fig
 
+
+
+def plot_q_schedule(
+    steps: Sequence[TileStep], fetched: Sequence[int], *, ax: Axes | None = None, title: str | None = None,
+) -> Figure:
+    """:func:`plot_kv_schedule` for the backward dK/dV kernel, whose grid is transposed: key blocks outer.
+
+    ``steps`` in that kernel's grid order — by key block, then query block fastest (e.g.
+    ``sorted(tiling_steps(...), key=lambda s: (s.kv_block, s.q_block))``). One row per key block (one
+    program, which owns that block's dK and dV), one column per query grid step; the number in a cell is
+    ``fetched[s]``, the query block (and dO, lse, D block) its index map names, outlined where it changes:
+    a copy from HBM. The title counts those copies.
+    """
+    if len(fetched) != len(steps):
+        raise ValueError(f"need one fetched block per step: {len(steps)} steps, {len(fetched)} fetched")
+    swapped = [TileStep(s.kv_block, s.q_block, s.kind) for s in steps]  # draw key blocks as rows
+    fig = plot_kv_schedule(swapped, fetched, ax=ax)
+    ax = fig.axes[0] if ax is None else ax
+    copies = sum(n == 0 or block != fetched[n - 1] for n, block in enumerate(fetched))
+    ax.set_xlabel("query grid step i", fontsize=9)
+    ax.set_ylabel("key block j", fontsize=9)
+    heading = f"{copies} q/dO block copies for {len(steps)} grid steps"
+    ax.set_title(f"{title}\n{heading}" if title else heading, fontsize=10)
+    return fig
 
 # -- Online softmax, one block at a time ----------------------------------------------------------
 

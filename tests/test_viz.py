@@ -174,6 +174,21 @@ def test_plot_kv_schedule_counts_copies():
         viz.plot_kv_schedule(steps, clamped[:-1])
 
 
+
+def test_plot_q_schedule_draws_key_blocks_as_rows_and_counts_copies():
+    # The dK/dV grid of 256 causal tokens in 64 x 128 blocks: key block j first meets query block 2 * j.
+    steps = sorted(viz.tiling_steps(256, 256, 64, 128, causal=True), key=lambda s: (s.kv_block, s.q_block))
+    clamped = [max(s.q_block, s.kv_block * 128 // 64) for s in steps]  # [0, 1, 2, 3, 2, 2, 2, 3]
+    fig = viz.plot_q_schedule(steps, clamped, title="clamped")
+    ax = fig.axes[0]
+    assert "clamped\n6 q/dO block copies for 8 grid steps" in _text_list(fig)
+    assert (ax.get_xlabel(), ax.get_ylabel()) == ("query grid step i", "key block j")
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["0", "1"]  # two key blocks, as rows
+    assert len(ax.get_xticklabels()) == 4  # four query steps, as columns
+    assert "8 q/dO block copies" in _texts(viz.plot_q_schedule(steps, [s.q_block for s in steps]))
+    with pytest.raises(ValueError, match="one fetched block per step"):
+        viz.plot_q_schedule(steps, clamped[:-1])
+
 def test_plot_vmem_budget_totals_and_limits():
     mib = 2**20
     configs = {"small": {"blocks": 2 * mib, "scratch": 1 * mib}, "big": {"blocks": 12 * mib, "scratch": 8 * mib}}
