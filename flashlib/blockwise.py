@@ -98,7 +98,9 @@ def blockwise_attention(
 
     def visit_kv_block(state: SoftmaxState, inputs) -> tuple[SoftmaxState, None]:
         j, k_blk, v_blk = inputs  # k_blk, v_blk: [b, h, bk, d]
-        s = jnp.einsum("bhnqd,bhkd->bhnqk", qb, k_blk, preferred_element_type=jnp.float32) * scale  # [b,h,nq,bq,bk]
+        # bf16 values are exact in f32, so upcasting first is the same product with f32 accumulation; the mixed
+        # bf16 x bf16 -> f32 form of this 5-d contraction has no CPU kernel in jax 0.7.2 (Colab's).
+        s = jnp.einsum("bhnqd,bhkd->bhnqk", qb.astype(jnp.float32), k_blk.astype(jnp.float32)) * scale  # [b,h,nq,bq,bk]
         kv_pos = j * block_k + jnp.arange(block_k)  # [bk]
         mask = kv_pos < kv_len  # [bk]               padded keys are never visible
         if causal:
