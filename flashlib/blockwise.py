@@ -10,9 +10,15 @@ The algorithm is the one the Pallas kernel runs, written with ``jax.lax.scan`` i
 4. normalise once at the end: ``out = acc / l`` (FlashAttention-2 defers the division).
 
 Peak memory is one ``[q_len, block_k]`` slab of scores instead of the ``[q_len, kv_len]`` matrix.
+
+Gradients come from a ``jax.custom_vjp``: autodiff through the ``scan`` would save every block's
+probabilities — the whole matrix again, in pieces — so the forward saves only ``(q, k, v, out, lse)`` and
+:mod:`flashlib.blockwise_backward` recomputes the probabilities block by block, in O(N) memory too.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +26,14 @@ import jax.numpy as jnp
 from flashlib.api import check_positive_ints, register
 from flashlib.reference import SoftmaxState, causal_visible, default_scale, state_output
 
-__all__ = ["DEFAULT_BLOCK_K", "DEFAULT_BLOCK_Q", "blockwise_attention", "online_update", "pad_to_multiple"]
+__all__ = [
+    "DEFAULT_BLOCK_K",
+    "DEFAULT_BLOCK_Q",
+    "blocks_first",
+    "blockwise_attention",
+    "online_update",
+    "pad_to_multiple",
+]
 
 DEFAULT_BLOCK_Q = 128
 DEFAULT_BLOCK_K = 128
@@ -81,19 +94,50 @@ def blockwise_attention(
       return_lse: also return the row log-sum-exp ``[batch, heads, q_len]`` in f32 (``-inf`` for empty rows).
 
     Returns:
-      ``out`` like ``q`` (and ``lse`` when asked).
+      ``out`` like ``q`` (and ``lse`` when asked). Both are differentiable (a custom VJP that recomputes
+      the probabilities block by block, :mod:`flashlib.blockwise_backward`).
     """
-    batch, heads, q_len, head_dim = q.shape
-    kv_len = k.shape[2]
-    scale = default_scale(head_dim) if scale is None else scale
+    q_len, kv_len, head_dim = q.shape[2], k.shape[2], q.shape[3]
+    scale = default_scale(head_dim) if scale is None else float(scale)
     block_q = min(block_q, q_len)  # a short sequence is one block, not one padded block
     block_k = min(block_k, kv_len)
+    return _attention(q, k, v, bool(causal), scale, block_q, block_k, bool(return_lse))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _attention(q, k, v, causal, scale, block_q, block_k, return_lse):
+    """Not differentiated: just the forward."""
+    out, lse = _forward(q, k, v, causal=causal, scale=scale, block_q=block_q, block_k=block_k)
+    return (out, lse) if return_lse else out
+
+
+def _attention_fwd(q, k, v, causal, scale, block_q, block_k, return_lse):
+    """Differentiated: the forward, saving O(N) residuals (no probabilities)."""
+    out, lse = _forward(q, k, v, causal=causal, scale=scale, block_q=block_q, block_k=block_k)
+    return ((out, lse) if return_lse else out), (q, k, v, out, lse)
+
+
+def _attention_bwd(causal, scale, block_q, block_k, return_lse, residuals, cotangent):
+    from flashlib.blockwise_backward import attention_backward  # it builds on this module's helpers
+
+    del block_q  # the backward walks key blocks only
+    do, dlse = cotangent if return_lse else (cotangent, None)
+    return attention_backward(*residuals, do, dlse, causal=causal, scale=scale, block_k=block_k)
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _forward(q, k, v, *, causal: bool, scale: float, block_q: int, block_k: int) -> tuple[jax.Array, jax.Array]:
+    """The scan over key blocks: ``out`` like ``q`` and the row log-sum-exp ``[b, h, q_len]`` f32."""
+    batch, heads, q_len, head_dim = q.shape
+    kv_len = k.shape[2]
 
     qp = pad_to_multiple(q, 2, block_q)  # [b, h, Tq, d]
     num_q_blocks = qp.shape[2] // block_q
     qb = qp.reshape(batch, heads, num_q_blocks, block_q, head_dim)  # [b, h, nq, bq, d]
-    kb = _blocks_first(pad_to_multiple(k, 2, block_k), block_k)  # [nk, b, h, bk, d]
-    vb = _blocks_first(pad_to_multiple(v, 2, block_k), block_k).astype(jnp.float32)  # [nk, b, h, bk, d]
+    kb = blocks_first(pad_to_multiple(k, 2, block_k), block_k)  # [nk, b, h, bk, d]
+    vb = blocks_first(pad_to_multiple(v, 2, block_k), block_k).astype(jnp.float32)  # [nk, b, h, bk, d]
     q_pos = jnp.arange(num_q_blocks * block_q).reshape(num_q_blocks, block_q, 1)  # [nq, bq, 1]
 
     def visit_kv_block(state: SoftmaxState, inputs) -> tuple[SoftmaxState, None]:
@@ -115,14 +159,12 @@ def blockwise_attention(
     state, _ = jax.lax.scan(visit_kv_block, init, (jnp.arange(kb.shape[0]), kb, vb))
 
     out = state_output(state).reshape(batch, heads, -1, head_dim)[:, :, :q_len].astype(q.dtype)  # [b, h, q, d]
-    if not return_lse:
-        return out
     m_safe = jnp.where(jnp.isfinite(state.m), state.m, 0.0)
     lse = (m_safe + jnp.log(state.l)).reshape(batch, heads, -1)[:, :, :q_len]  # [b, h, q]; log(0) = -inf
     return out, lse
 
 
-def _blocks_first(x: jax.Array, block: int) -> jax.Array:
+def blocks_first(x: jax.Array, block: int) -> jax.Array:
     """``[b, h, n*block, d]`` -> ``[n, b, h, block, d]``: the block index leads so ``scan`` can walk it."""
     batch, heads, length, head_dim = x.shape
     return jnp.moveaxis(x.reshape(batch, heads, length // block, block, head_dim), 2, 0)

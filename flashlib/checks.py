@@ -7,15 +7,26 @@ implementation's error may be at most twice the error of the naive implementatio
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import jax
 import numpy as np
 
-from flashlib.reference import attention_naive, attention_oracle
+from flashlib.reference import attention_naive, attention_oracle, attention_vjp_oracle
 
-__all__ = ["AttentionCheck", "CheckFailed", "check", "check_attention", "check_close", "exercise", "tolerance"]
+__all__ = [
+    "AttentionCheck",
+    "CheckFailed",
+    "check",
+    "check_attention",
+    "check_attention_grads",
+    "check_close",
+    "exercise",
+    "tolerance",
+]
 
 # Absolute floors per dtype: the error a single rounding of O(1) values can make.
 _FLOOR = {"float32": 1e-6, "bfloat16": 1e-2, "float16": 2e-3, "float64": 1e-12}
@@ -100,6 +111,73 @@ def check_attention(
     if not quiet:
         print(f"passed: {name} matches the float64 oracle (within 2x the naive {np.dtype(q.dtype).name} error)")
     return AttentionCheck(error=error, naive_error=naive_error, allowed=allowed)
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "scale"))
+def _naive_grads(q, k, v, do, causal: bool, scale: float | None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(dq, dk, dv)`` by autodiff through the naive implementation, in the inputs' dtype (one compiled
+    program: much faster to build than the op-by-op dispatch of an eager VJP)."""
+    _, vjp = jax.vjp(lambda q, k, v: attention_naive(q, k, v, causal=causal, scale=scale), q, k, v)
+    return vjp(do)
+
+
+def check_attention_grads(
+    grads,
+    q,
+    k,
+    v,
+    do,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    name: str = "attention gradients",
+    quiet: bool = False,
+) -> dict[str, AttentionCheck]:
+    """Check ``grads = (dq, dk, dv)``, the VJP of attention at ``(q, k, v)`` for the output cotangent ``do``,
+    against the float64 oracle (:func:`~flashlib.reference.attention_vjp_oracle`) with FlashAttention's rule:
+    each gradient's max error at most twice that of autodiff through the naive implementation in the same
+    dtype, plus a floor.
+
+    The floor is the dtype's (:func:`tolerance`) times the largest oracle gradient (when above 1): a
+    gradient that is exactly 0 in float64 (``dk`` with a single key: ``dS = P (dP - D) = 0``) is computed
+    as a difference of terms as large as the other gradients, so one rounding of those is the fair floor.
+
+    Raises :class:`CheckFailed` naming the gradient and its worst element when one has the wrong shape or
+    dtype, contains NaN/inf, or is off by more than ``2 * naive_error + floor``. Returns the numbers per
+    gradient, ``{"dq": AttentionCheck, "dk": ..., "dv": ...}``.
+    """
+    if len(grads) != 3:
+        raise CheckFailed(f"failed: {name} — expected three gradients (dq, dk, dv), got {len(grads)}")
+    expected = attention_vjp_oracle(q, k, v, do, causal=causal, scale=scale)
+    naive = [np.asarray(g, dtype=np.float64) for g in _naive_grads(q, k, v, do, causal=bool(causal), scale=scale)]
+    magnitude = max(1.0, *(float(np.max(np.abs(g), initial=0.0)) for g in expected))
+    results = {}
+    for label, got, primal, want, naive_grad in zip(("dq", "dk", "dv"), grads, (q, k, v), expected, naive, strict=True):
+        got_np = np.asarray(got)
+        if got_np.shape != tuple(primal.shape) or got_np.dtype != np.dtype(primal.dtype):
+            raise CheckFailed(
+                f"failed: {name} — {label} is {got_np.dtype}{list(got_np.shape)}, expected "
+                f"{np.dtype(primal.dtype)}{list(primal.shape)} like {label[1:]}"
+            )
+        got64 = got_np.astype(np.float64)
+        if not np.isfinite(got64).all():
+            raise CheckFailed(f"failed: {name} — {label} contains NaN or inf")
+        naive_error = float(np.max(np.abs(naive_grad - want), initial=0.0))
+        err = np.abs(got64 - want)
+        error = float(np.max(err, initial=0.0))
+        floor = tolerance(primal.dtype) * magnitude
+        allowed = 2.0 * naive_error + floor
+        if error > allowed:
+            where = tuple(int(i) for i in np.unravel_index(np.argmax(err), err.shape))
+            raise CheckFailed(
+                f"failed: {name} — {label} max error {error:.3g} at [b, h, seq, d] = {where} exceeds the allowed "
+                f"{allowed:.3g} (2 x naive {np.dtype(primal.dtype).name} error {naive_error:.3g} + floor {floor:.3g})"
+            )
+        results[label] = AttentionCheck(error=error, naive_error=naive_error, allowed=allowed)
+    if not quiet:
+        dtype = np.dtype(q.dtype).name
+        print(f"passed: {name} match the float64 oracle (dq, dk, dv within 2x the naive {dtype} error)")
+    return results
 
 
 def exercise(name: str, attempt: Callable[[], Any], checker: Callable[[Any], object]) -> None:

@@ -9,25 +9,37 @@ Two views, one set of functions:
   diagonal skipped, and a k/v block fetched only when its block index changes between grid steps. This is
   the ``pl.CostEstimate`` the kernel hands to XLA, so ``compiled.cost_analysis()`` reports it.
 
+The backward pass has the same two views (``attention_backward_*``). The algorithm recomputes ``P`` from
+q, k and the saved log-sum-exp and needs five matmuls per score (``s``, ``dP``, ``dV``, ``dQ``, ``dK``):
+2.5x the forward's two. flashlib's kernels split the work in two so that each output has one owner — dK/dV
+iterates over query blocks, dQ over key blocks — and both recompute ``s`` and ``dP``: 4 + 3 = 7 matmuls,
+3.5x the forward, in exchange for no atomic or cross-step accumulation of dQ.
+
 The block geometry of a causal grid lives here too (:func:`block_is_visible`, :func:`block_needs_mask`,
-:func:`last_key_seen`), written with plain arithmetic so the same function runs on Python ints, NumPy
-arrays and the traced program ids inside the kernel.
+:func:`last_key_seen`, :func:`first_query_seeing`), written with plain arithmetic so the same function
+runs on Python ints, NumPy arrays and the traced program ids inside the kernel.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from flashlib.kernels.block_sizes import NUM_LANES, BlockSizes, round_up
+from flashlib.kernels.block_sizes import NUM_LANES, NUM_SUBLANES, BlockSizes, round_up
 
 __all__ = [
+    "BACKWARD_KERNELS",
+    "attention_backward_bytes",
+    "attention_backward_flops",
+    "attention_backward_transcendentals",
     "attention_bytes",
     "attention_flops",
     "attention_transcendentals",
     "block_is_visible",
     "block_needs_mask",
+    "first_query_seeing",
     "kv_block_fetches",
     "last_key_seen",
+    "q_block_fetches",
     "visible_pairs",
     "visited_blocks",
 ]
@@ -35,6 +47,10 @@ __all__ = [
 _F32_BYTES = 4
 _MATMULS = 2  # s = q k^T and o = p v
 _FLOPS_PER_MAC = 2
+BACKWARD_KERNELS: tuple[str, ...] = ("dkv", "dq")
+_BACKWARD_MATMULS = 5  # the algorithm: s = q k^T, dP = dO v^T, dV = P^T dO, dQ = dS k, dK = dS^T q
+_KERNEL_MATMULS = {"dkv": 4, "dq": 3}  # dK/dV: s, dP, dV, dK; dQ: s, dP, dQ
+_ROW_STATS = 2  # lse and D, each an f32 [8, block_q] row block in the backward kernels
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -68,6 +84,25 @@ def last_key_seen(q_block, *, block_q: int, q_len: int, kv_len: int):
     return (q_block + 1) * block_q - 1 + (kv_len - q_len)
 
 
+def first_query_seeing(kv_block, *, block_k: int, q_len: int, kv_len: int):
+    """The first query position that may see any key of the key block (may be < 0: every query does).
+
+    Query ``i`` sees key ``j`` when ``j <= i + kv_len - q_len``; the block's first key is ``kv_block * block_k``.
+    Query block ``i`` visits key block ``j`` (:func:`block_is_visible`) exactly when ``i >= max(first, 0) //
+    block_q``, which is where the dK/dV kernel's query index map clamps.
+    """
+    return kv_block * block_k - (kv_len - q_len)
+
+
+def _first_blocks(q_len: int, kv_len: int, block_q: int, block_k: int, causal: bool) -> np.ndarray:
+    """``[num_kv_blocks]``: the first query block each key block needs, where the dK/dV q index map clamps."""
+    num_kv_blocks = round_up(kv_len, block_k) // block_k
+    if not causal:
+        return np.zeros(num_kv_blocks, dtype=int)
+    first = first_query_seeing(np.arange(num_kv_blocks), block_k=block_k, q_len=q_len, kv_len=kv_len)  # [nk]
+    return np.maximum(first, 0) // block_q
+
+
 def _last_blocks(q_len: int, kv_len: int, block_q: int, block_k: int, causal: bool) -> np.ndarray:
     """``[num_q_blocks]``: the last key block each query block needs, where its k/v index map clamps."""
     num_q_blocks, num_kv_blocks = round_up(q_len, block_q) // block_q, round_up(kv_len, block_k) // block_k
@@ -95,6 +130,18 @@ def kv_block_fetches(q_len: int, kv_len: int, block_q: int, block_k: int, causal
     """
     last = _last_blocks(q_len, kv_len, block_q, block_k, causal)  # [nq]
     return int(last.sum() + 1 + np.count_nonzero(last[:-1] != 0))
+
+
+def q_block_fetches(q_len: int, kv_len: int, block_q: int, block_k: int, causal: bool) -> int:
+    """HBM→VMEM copies of a q (or dO, lse, D) block for one (batch, head) in the dK/dV kernel.
+
+    Its grid walks query blocks innermost: key block ``j`` visits ``first[j] .. last`` (the steps before
+    ``first[j]`` hold block ``first[j]``, clamped), so it costs ``last - first[j]`` changes, plus one when
+    it starts elsewhere than where the previous key block ended (always at the last query block).
+    """
+    first = _first_blocks(q_len, kv_len, block_q, block_k, causal)  # [nk]
+    last = round_up(q_len, block_q) // block_q - 1
+    return int((last - first).sum() + 1 + np.count_nonzero(first[1:] != last))
 
 
 def visible_pairs(q_len: int, kv_len: int, causal: bool) -> int:
@@ -176,3 +223,110 @@ def attention_bytes(
     kv_rows = kv_block_fetches(q_len, kv_len, bq, bk, causal) * bk
     per_head = (2 * q_rows + 2 * kv_rows) * head_dim * itemsize + (q_rows * NUM_LANES * _F32_BYTES if with_lse else 0)
     return batch * heads * per_head
+
+
+# ---------------------------------------------------------------------------------------------------
+# The backward pass: the algorithm (block_sizes=None), or the dK/dV and dQ kernels as they run
+# ---------------------------------------------------------------------------------------------------
+
+
+def _backward_kernels(block_sizes: BlockSizes | None, kernel: str | None) -> tuple[str, ...]:
+    """The kernels to count: both, or the one named; ``kernel`` needs ``block_sizes``."""
+    if kernel is None:
+        return BACKWARD_KERNELS
+    if kernel not in BACKWARD_KERNELS:
+        raise ValueError(f"kernel must be one of {', '.join(BACKWARD_KERNELS)} or None (both), got {kernel!r}")
+    if block_sizes is None:
+        raise ValueError(f"kernel={kernel!r} counts a kernel as it runs: pass its block_sizes too")
+    return (kernel,)
+
+
+def attention_backward_flops(
+    batch: int,
+    heads: int,
+    q_len: int,
+    kv_len: int,
+    head_dim: int,
+    causal: bool,
+    block_sizes: BlockSizes | None = None,
+    kernel: str | None = None,
+) -> int:
+    """Backward matmul FLOPs: ``5 matmuls x 2 flops x head_dim`` per visible score (2.5x the forward).
+
+    With ``block_sizes`` (resolved, :meth:`BlockSizes.for_backward`): the kernels as they run, every
+    visited block in full — dK/dV does 4 matmuls per score, dQ 3 (``kernel=`` picks one; None sums both).
+    """
+    kernels = _backward_kernels(block_sizes, kernel)
+    if block_sizes is None:
+        return batch * heads * visible_pairs(q_len, kv_len, causal) * _BACKWARD_MATMULS * _FLOPS_PER_MAC * head_dim
+    total = 0
+    for name in kernels:
+        bq, bk = block_sizes.blocks(name)
+        scores = visited_blocks(q_len, kv_len, bq, bk, causal) * bq * bk
+        total += batch * heads * scores * _KERNEL_MATMULS[name] * _FLOPS_PER_MAC * head_dim
+    return total
+
+
+def attention_backward_transcendentals(
+    batch: int,
+    heads: int,
+    q_len: int,
+    kv_len: int,
+    head_dim: int,
+    causal: bool,
+    block_sizes: BlockSizes | None = None,
+    kernel: str | None = None,
+) -> int:
+    """``exp`` evaluations: recomputing ``P = exp(s - lse)`` costs one per score — once in the algorithm,
+    once in each kernel as they run (visited blocks in full)."""
+    del head_dim  # same signature as the other counts
+    kernels = _backward_kernels(block_sizes, kernel)
+    if block_sizes is None:
+        return batch * heads * visible_pairs(q_len, kv_len, causal)
+    total = 0
+    for name in kernels:
+        bq, bk = block_sizes.blocks(name)
+        total += batch * heads * visited_blocks(q_len, kv_len, bq, bk, causal) * bq * bk
+    return total
+
+
+def attention_backward_bytes(
+    batch: int,
+    heads: int,
+    q_len: int,
+    kv_len: int,
+    head_dim: int,
+    causal: bool,
+    dtype,
+    block_sizes: BlockSizes | None = None,
+    kernel: str | None = None,
+) -> int:
+    """HBM bytes of the backward: q, k, v, out, dO and the f32 lse in; dQ, dK, dV out.
+
+    As the kernels run (``D = rowsum(dO * out)`` is computed before them and reaches them with lse as
+    ``[8, block_q]`` f32 rows):
+
+    * dK/dV reads k and v once and writes dK and dV once; it re-reads q, dO, lse and D once per key block
+      (:func:`q_block_fetches`);
+    * dQ reads q, dO, lse and D once and writes dQ once; it re-reads k and v once per query block
+      (:func:`kv_block_fetches`).
+    """
+    itemsize = np.dtype(dtype).itemsize
+    kernels = _backward_kernels(block_sizes, kernel)
+    if block_sizes is None:
+        elements = (4 * q_len + 4 * kv_len) * head_dim  # q, out, dO, dQ; k, v, dK, dV
+        return batch * heads * (elements * itemsize + q_len * _F32_BYTES)
+    total = 0
+    for name in kernels:
+        bq, bk = block_sizes.blocks(name)
+        if name == "dkv":
+            q_rows = q_block_fetches(q_len, kv_len, bq, bk, causal) * bq  # q, dO, lse, D re-read
+            kv_rows = round_up(kv_len, bk)  # k, v read and dK, dV written once
+            per_head = (2 * q_rows + 4 * kv_rows) * head_dim * itemsize
+        else:
+            q_rows = round_up(q_len, bq)  # q, dO, lse, D read and dQ written once
+            kv_rows = kv_block_fetches(q_len, kv_len, bq, bk, causal) * bk  # k, v re-read
+            per_head = (3 * q_rows + 2 * kv_rows) * head_dim * itemsize
+        per_head += _ROW_STATS * q_rows * NUM_SUBLANES * _F32_BYTES
+        total += batch * heads * per_head
+    return total

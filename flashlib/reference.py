@@ -3,7 +3,8 @@
 Everything here is deliberately simple:
 
 * :func:`attention_naive` materialises the full ``[q_len, kv_len]`` score matrix (stage 1 of the series);
-* :func:`attention_oracle` does the same in float64 NumPy, the yardstick for errors;
+* :func:`attention_oracle` does the same in float64 NumPy, the yardstick for errors, and
+  :func:`attention_vjp_oracle` its gradients (the backward pass written out by hand);
 * :func:`softmax_naive`, :func:`softmax_stable` and :func:`softmax_online` are softmax three ways;
 * :class:`SoftmaxState` and :func:`merge_states` are the identity flash attention rests on: two partial
   softmax-weighted sums over disjoint key sets combine exactly into the sum over their union.
@@ -27,6 +28,7 @@ __all__ = [
     "SoftmaxState",
     "attention_naive",
     "attention_oracle",
+    "attention_vjp_oracle",
     "causal_mask",
     "causal_visible",
     "default_scale",
@@ -200,3 +202,35 @@ def logsumexp_oracle(q, k, *, causal: bool = False, scale: float | None = None) 
     m_safe = np.where(np.isfinite(m), m, 0.0)
     with np.errstate(divide="ignore"):
         return m_safe + np.log(np.exp(s - m_safe[..., None]).sum(axis=-1))
+
+
+def _oracle_probabilities(q, k, causal: bool, scale: float | None) -> np.ndarray:
+    """Softmax probabilities ``[b, h, q, k]`` in float64; a row that sees no key is all zeros."""
+    s = _oracle_scores(q, k, causal, scale)
+    m = s.max(axis=-1, keepdims=True)
+    p = np.exp(s - np.where(np.isfinite(m), m, 0.0))
+    l = p.sum(axis=-1, keepdims=True)  # noqa: E741
+    return p / np.where(l == 0.0, 1.0, l)
+
+
+def attention_vjp_oracle(
+    q, k, v, do, *, causal: bool = False, scale: float | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The gradients ``(dq, dk, dv)`` of ``sum(attention(q, k, v) * do)`` in float64 NumPy.
+
+    The backward pass every flash-attention kernel implements, with nothing tiled::
+
+        dV = P^T dO,  dP = dO V^T,  dS = P * (dP - D) with D = rowsum(dO * O) = rowsum(P * dP),
+        dQ = dS K * scale,  dK = dS^T Q * scale.
+    """
+    scale = default_scale(np.shape(q)[-1]) if scale is None else scale
+    q, k, v, do = (np.asarray(x, dtype=np.float64) for x in (q, k, v, do))
+    p = _oracle_probabilities(q, k, causal, scale)  # [b, h, q, k]
+    out = np.einsum("bhqk,bhkd->bhqd", p, v)  # [b, h, q, d]
+    dv = np.einsum("bhqk,bhqd->bhkd", p, do)  # [b, h, k, d]
+    dp = np.einsum("bhqd,bhkd->bhqk", do, v)  # [b, h, q, k]
+    d = np.sum(do * out, axis=-1, keepdims=True)  # [b, h, q, 1]
+    ds = p * (dp - d)  # [b, h, q, k]
+    dq = np.einsum("bhqk,bhkd->bhqd", ds, k) * scale  # [b, h, q, d]
+    dk = np.einsum("bhqk,bhqd->bhkd", ds, q) * scale  # [b, h, k, d]
+    return dq, dk, dv

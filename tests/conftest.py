@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 
 # Before jax is imported anywhere: run on the CPU even where libtpu is installed (it is, for the AOT
@@ -39,6 +40,19 @@ def make_qkv(
     k = jax.random.normal(kk, (batch, heads, kv_len, head_dim), jnp.float32).astype(dtype)
     v = jax.random.normal(kv, (batch, heads, kv_len, head_dim), jnp.float32).astype(dtype)
     return q, k, v
+
+
+def tpu_race_state():
+    """TPU interpret mode's race detector (``.races_found``, ``.reads``): private, and its module moved
+    between jax versions; None where this jax has none we can read."""
+    for name in ("jax._src.pallas.mosaic.interpret.interpret_pallas_call", "jax._src.pallas.mosaic.interpret"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if hasattr(module, "races"):
+            return module.races
+    return None
 
 
 @pytest.fixture

@@ -72,3 +72,35 @@ def test_exercise_reports_stubs_passes_answers_and_raises_on_wrong_ones(capsys):
     ]
     with pytest.raises(checks.CheckFailed):
         checks.exercise("exercise 1", lambda: 2.0, lambda a: checks.check_close(a, 1.0, "one"))
+
+
+def _naive_grads(q, k, v, do, causal=False):
+    import jax
+
+    _, vjp = jax.vjp(lambda q, k, v: reference.attention_naive(q, k, v, causal=causal), q, k, v)
+    return vjp(do)
+
+
+def test_check_attention_grads_passes_and_prints_one_line(capsys):
+    q, k, v = make_qkv(1, 2, 9, 11, 32)
+    do = jnp.cos(q)
+    result = checks.check_attention_grads(_naive_grads(q, k, v, do, True), q, k, v, do, causal=True, name="naive")
+    assert capsys.readouterr().out == (
+        "passed: naive match the float64 oracle (dq, dk, dv within 2x the naive float32 error)\n"
+    )
+    assert set(result) == {"dq", "dk", "dv"}
+    assert all(r.error <= r.allowed and r.ratio <= 2 for r in result.values())  # jit rounds a little differently
+
+
+def test_check_attention_grads_names_the_wrong_gradient():
+    q, k, v = make_qkv(1, 2, 9, 11, 32)
+    do = jnp.cos(q)
+    dq, dk, dv = _naive_grads(q, k, v, do)
+    with pytest.raises(checks.CheckFailed, match=r"dk max error 0.001 at \[b, h, seq, d\] = \(0, 1, 3, 5\)"):
+        checks.check_attention_grads((dq, dk.at[0, 1, 3, 5].add(1e-3), dv), q, k, v, do)
+    with pytest.raises(checks.CheckFailed, match="dv is bfloat16"):
+        checks.check_attention_grads((dq, dk, dv.astype(jnp.bfloat16)), q, k, v, do)
+    with pytest.raises(checks.CheckFailed, match="dq contains NaN"):
+        checks.check_attention_grads((dq * jnp.nan, dk, dv), q, k, v, do)
+    with pytest.raises(checks.CheckFailed, match="exceeds the allowed"):  # the gradients of the unmasked problem
+        checks.check_attention_grads((dq, dk, dv), q, k, v, do, causal=True)

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import functools
-import importlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_qkv
+from conftest import make_qkv, tpu_race_state
 from jax.experimental.pallas import tpu as pltpu
 
 import flashlib
@@ -95,18 +94,6 @@ def test_matches_jax_flash_attention():
     np.testing.assert_allclose(np.asarray(out), np.asarray(expected), rtol=1e-5, atol=1e-5)
 
 
-def _race_state():
-    """TPU interpret mode's race detector: private, and its module moved between jax versions."""
-    for name in ("jax._src.pallas.mosaic.interpret.interpret_pallas_call", "jax._src.pallas.mosaic.interpret"):
-        try:
-            module = importlib.import_module(name)
-        except ImportError:
-            continue
-        if hasattr(module, "races"):
-            return module.races
-    return None
-
-
 @pytest.mark.parametrize("causal", [False, True])
 def test_tpu_interpret_mode_detects_no_races(causal):
     """TPU-semantics emulation: DMAs, VMEM and semaphores simulated (and parallel grid axes may run out
@@ -116,7 +103,7 @@ def test_tpu_interpret_mode_detects_no_races(causal):
     params = pltpu.InterpretParams(detect_races=True)
     out = pallas(q, k, v, causal=causal, block_sizes=BlockSizes(64, 128), interpret=params)
     check_attention(out, q, k, v, causal=causal, quiet=True)
-    races = _race_state()
+    races = tpu_race_state()
     if races is None or not hasattr(races, "races_found"):
         pytest.skip("this jax has no readable race-detector state (jax._src.pallas.mosaic.interpret.races)")
     assert not races.races_found
@@ -130,7 +117,7 @@ def test_causal_skips_copies_of_blocks_above_the_diagonal():
     for causal in (False, True):
         pltpu.reset_tpu_interpret_mode_state()
         pallas(q, k, v, causal=causal, block_sizes=BlockSizes(64, 128), interpret=params)
-        races = _race_state()
+        races = tpu_race_state()
         if races is None or not hasattr(races, "reads"):
             pytest.skip("this jax's race detector does not log reads")
         # keys are (memory space, buffer, device, core); inputs live in "hbm" ("any" in jax 0.7)

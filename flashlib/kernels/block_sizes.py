@@ -2,18 +2,24 @@
 
 A TPU vector register holds an ``[8, 128]`` tile of 32-bit values: 8 *sublanes* by 128 *lanes*. A block
 that Pallas copies into VMEM must therefore be a whole number of tiles in its last two dimensions (or span
-the whole array dimension). For our kernels that means:
+the whole array dimension). A block size that lies along *rows* (sublanes) is a multiple of the sublane
+count, which grows as the dtype shrinks: 8 rows for float32, 16 for bfloat16 (two values are packed per
+32-bit sublane); one that lies along *lanes* is a multiple of 128. Which is which depends on the kernel:
 
-* ``block_q`` (rows of a ``[block_q, head_dim]`` tile) is a multiple of the sublane count, which grows as
-  the dtype shrinks: 8 rows for float32, 16 for bfloat16 (two values are packed per 32-bit sublane);
-* ``block_k`` is a multiple of 128 because the score tile ``[block_q, block_k]`` puts keys on lanes.
+* forward: the score tile ``[block_q, block_k]`` puts queries on rows and keys on lanes;
+* dK/dV (``block_q_dkv``, ``block_k_dkv``): the *transposed* score tile ``[block_k_dkv, block_q_dkv]`` puts
+  keys on rows and queries on lanes, so every matmul of that kernel needs no transpose and the queries'
+  row statistics (lse, D) arrive as compact ``[8, block_q_dkv]`` rows;
+* dQ (``block_q_dq``, ``block_k_dq``): the score tile ``[block_q_dq, block_k_dq]`` puts keys on lanes, and
+  the same ``[8, block_q_dq]`` row statistics put queries on lanes too: both are multiples of 128.
 
 ``head_dim`` is never split: every block spans the whole head dimension (the "equal to the array
 dimension" exception of the rule), so any head size lowers; VMEM still pads it up to whole lanes.
 
 The second limit is VMEM: every buffer of one grid step must fit in the compiler's *scoped* VMEM limit
 (16 MiB by default on v5e, 32 MiB on v6e). :meth:`BlockSizes.vmem_bytes` counts them so flashlib can
-refuse a configuration with a readable message before Mosaic refuses it with a stack trace.
+refuse a configuration with a readable message before Mosaic refuses it with a stack trace; the backward
+kernels have their own counts (``vmem_bytes(..., kernel="dkv")``, ``kernel="dq"``).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from flashlib import env
 
 __all__ = [
     "GENERATIONS",
+    "KERNELS",
     "MASK_VALUE",
     "MIB",
     "NUM_LANES",
@@ -54,6 +61,22 @@ _F32_BYTES = 4  # m, l, the accumulator and the score tile are float32 whatever 
 # vmem_limit_bytes: beyond the buffers counted in `vmem_bytes`, libtpu 0.0.23 (Colab's) allocates up to
 # 3.2 such tiles, libtpu 0.0.50 up to 2.
 _SCORE_TILES = 3
+# The same count for the backward kernels' [rows, lanes] score tiles (s, p, dp, ds, bf16 matmul operands),
+# bisected the same way: libtpu 0.0.23 holds up to 2.7 of them in dK/dV and 3.5 in dQ (when block_k >= 1024),
+# libtpu 0.0.50 about 2 and 1. See tests/test_block_sizes.py's backward sweep.
+_DKV_SCORE_TILES = 3
+_DQ_SCORE_TILES = 4
+_ROW_STAT_ROWS = NUM_SUBLANES  # lse and D reach the backward kernels as sublane-replicated [8, block_q] rows
+
+KERNELS: tuple[str, ...] = ("forward", "dkv", "dq")
+# (query field, key field) of each kernel, and which of the two lie along lanes (the others lie along rows).
+_KERNEL_FIELDS: dict[str, tuple[str, str]] = {
+    "forward": ("block_q", "block_k"),
+    "dkv": ("block_q_dkv", "block_k_dkv"),
+    "dq": ("block_q_dq", "block_k_dq"),
+}
+_LANE_FIELDS: frozenset[str] = frozenset({"block_k", "block_q_dkv", "block_q_dq", "block_k_dq"})
+_KERNEL_NAMES: dict[str, str] = {"forward": "forward", "dkv": "dK/dV", "dq": "dQ"}
 
 
 def round_up(x: int, multiple: int) -> int:
@@ -92,6 +115,14 @@ def _check_block(field: str, value: object, multiple: int, why: str) -> None:
         )
 
 
+def _tile_rule(field: str, rows: int) -> tuple[int, str]:
+    """``(multiple, why)`` of the tiling rule for ``field``: 128 where it lies along lanes, else ``rows``."""
+    if field in _LANE_FIELDS:
+        what = "keys" if field.startswith("block_k") else "queries"
+        return NUM_LANES, f"{what} lie along the {NUM_LANES} lanes of a TPU register tile"
+    return rows, f"the {rows} sublanes of a TPU register tile"
+
+
 @dataclass(frozen=True)
 class BlockSizes:
     """Tile sizes of the flash-attention kernels; validates the dtype-independent tiling rule on creation.
@@ -101,8 +132,11 @@ class BlockSizes:
       block_k: keys per grid step, a multiple of 128 (keys lie along lanes in the score tile).
       generation: the TPU generation these sizes target (``"v5e"``, ``"v6e"``); it sets the VMEM budget
         they are checked against. None: the chip we run on (``"v5e"`` off-TPU, the smallest budget).
-      block_q_dkv, block_k_dkv, block_q_dq, block_k_dq: reserved for the backward kernels (None: reuse
-        the forward sizes).
+      block_q_dkv, block_k_dkv: query and key blocks of the dK/dV kernel; ``block_q_dkv`` lies along lanes
+        (a multiple of 128), ``block_k_dkv`` along rows (a multiple of 8; 16 for bfloat16).
+      block_q_dq, block_k_dq: query and key blocks of the dQ kernel, both multiples of 128.
+        None for any backward field: derived from the forward sizes when gradients are taken
+        (:meth:`for_backward`), and shrunk until that kernel fits the VMEM budget.
     """
 
     block_q: int = 512
@@ -114,16 +148,11 @@ class BlockSizes:
     block_k_dq: int | None = None
 
     def __post_init__(self) -> None:
-        rows_why = f"the {NUM_SUBLANES} sublanes of a TPU register tile"
-        lanes_why = f"keys lie along the {NUM_LANES} lanes of a TPU register tile"
-        _check_block("block_q", self.block_q, NUM_SUBLANES, rows_why)
-        _check_block("block_k", self.block_k, NUM_LANES, lanes_why)
-        for name in ("block_q_dkv", "block_q_dq"):
-            if getattr(self, name) is not None:
-                _check_block(name, getattr(self, name), NUM_SUBLANES, rows_why)
-        for name in ("block_k_dkv", "block_k_dq"):
-            if getattr(self, name) is not None:
-                _check_block(name, getattr(self, name), NUM_LANES, lanes_why)
+        for kernel, fields in _KERNEL_FIELDS.items():
+            for name in fields:
+                value = getattr(self, name)
+                if value is not None or kernel == "forward":
+                    _check_block(name, value, *_tile_rule(name, NUM_SUBLANES))
         if self.generation is not None:
             vmem_limit_bytes(self.generation)  # raises for an unknown generation
 
@@ -145,20 +174,65 @@ class BlockSizes:
             block_k=min(self.block_k, round_up(kv_len, NUM_LANES)),
         )
 
-    def shrunk_to(self, limit: int, head_dim: int, dtype) -> BlockSizes:
-        """Halve the larger block (keeping whole tiles) until the VMEM estimate is within ``limit`` bytes."""
-        sizes, rows = self, sublanes(dtype)
-        while sizes.vmem_bytes(head_dim, dtype) > limit:
-            if sizes.block_k >= max(sizes.block_q, 2 * NUM_LANES):
-                sizes = dataclasses.replace(sizes, block_k=round_up(sizes.block_k // 2, NUM_LANES))
-            elif sizes.block_q >= 2 * rows:
-                sizes = dataclasses.replace(sizes, block_q=round_up(sizes.block_q // 2, rows))
+    def for_backward(self, q_len: int, kv_len: int, head_dim: int, dtype) -> BlockSizes:
+        """These sizes with every backward field resolved for one shape, as the backward kernels will run.
+
+        A field left None starts from the forward block on the same axis (rounded up to a whole number of
+        lanes where the backward kernel puts it on lanes); every field is clamped to the tile-rounded
+        sequence length. A kernel whose sizes are all derived is then shrunk until it fits the VMEM
+        budget; a kernel with a size you set is checked instead (``ValueError`` with a fix if it won't fit).
+        """
+        rows = sublanes(dtype)
+        q_lanes = round_up(self.block_q, NUM_LANES)
+        start = {"block_q_dkv": q_lanes, "block_k_dkv": self.block_k, "block_q_dq": q_lanes, "block_k_dq": self.block_k}
+        longest = {
+            "block_q_dkv": round_up(q_len, NUM_LANES),
+            "block_k_dkv": round_up(kv_len, rows),
+            "block_q_dq": round_up(q_len, NUM_LANES),
+            "block_k_dq": round_up(kv_len, NUM_LANES),
+        }
+        chosen = {name: start[name] if getattr(self, name) is None else getattr(self, name) for name in start}
+        sizes = dataclasses.replace(self, **{name: min(chosen[name], longest[name]) for name in start})
+        limit = vmem_limit_bytes(self.generation)
+        for kernel in ("dkv", "dq"):
+            if all(getattr(self, name) is None for name in _KERNEL_FIELDS[kernel]):
+                sizes = sizes.shrunk_to(limit, head_dim, dtype, kernel=kernel)
+            else:
+                sizes.validate(dtype, head_dim, kernel=kernel)
+        return sizes
+
+    def blocks(self, kernel: str = "forward") -> tuple[int, int]:
+        """``(block_q, block_k)`` of ``kernel`` (``"forward"``, ``"dkv"``, ``"dq"``); a backward kernel's
+        must have been resolved (:meth:`for_backward`)."""
+        if kernel not in _KERNEL_FIELDS:
+            raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
+        block_q, block_k = (getattr(self, name) for name in _KERNEL_FIELDS[kernel])
+        if block_q is None or block_k is None:
+            raise ValueError(
+                f"the {_KERNEL_NAMES[kernel]} block sizes are unresolved (None); "
+                "call sizes.for_backward(q_len, kv_len, head_dim, dtype) first"
+            )
+        return block_q, block_k
+
+    def shrunk_to(self, limit: int, head_dim: int, dtype, kernel: str = "forward") -> BlockSizes:
+        """Halve ``kernel``'s larger block (keeping whole tiles) until its VMEM estimate is within ``limit``."""
+        q_field, k_field = _KERNEL_FIELDS[kernel]
+        q_multiple, k_multiple = (_tile_rule(name, sublanes(dtype))[0] for name in (q_field, k_field))
+        sizes = self
+        while sizes.vmem_bytes(head_dim, dtype, kernel=kernel) > limit:
+            block_q, block_k = sizes.blocks(kernel)
+            if block_k >= max(block_q, 2 * k_multiple):
+                sizes = dataclasses.replace(sizes, **{k_field: round_up(block_k // 2, k_multiple)})
+            elif block_q >= 2 * q_multiple:
+                sizes = dataclasses.replace(sizes, **{q_field: round_up(block_q // 2, q_multiple)})
             else:
                 raise ValueError(f"head_dim={head_dim} is too large: even the smallest blocks overflow VMEM")
         return sizes
 
-    def vmem_bytes(self, head_dim: int, dtype) -> int:
-        """Estimated scoped VMEM of one forward grid step, in bytes.
+    def vmem_bytes(self, head_dim: int, dtype, kernel: str = "forward") -> int:
+        """Estimated scoped VMEM of one grid step of ``kernel`` (``"forward"``, ``"dkv"``, ``"dq"``), in bytes.
+
+        Forward:
 
         * q, k, v and out blocks, double-buffered (the pipeline fetches step ``i + 1`` while computing ``i``);
         * the lse output block ``[block_q, 128]`` f32, double-buffered;
@@ -168,11 +242,15 @@ class BlockSizes:
           tiles (scores, their max-shifted copy, probabilities; the mask and the bf16 matmul operand reuse
           their space) and one ``[block_q, head_dim]`` tile (``p @ v`` before it joins the accumulator).
 
+        The backward kernels (:meth:`_backward_vmem_bytes`) count the same kinds of buffer.
+
         ``head_dim`` is padded to whole lanes (VMEM may store ``[rows, 64]`` as ``[rows, 128]``). The count
         errs on the safe side: it is never below what Mosaic allocates in ``tests/test_block_sizes.py``'s
         sweep, for the old and the new compiler, and newer compilers need up to a tile or two less (so some
         configurations near the limit are refused although a new compiler would take them).
         """
+        if kernel != "forward":
+            return self._backward_vmem_bytes(head_dim, dtype, kernel)
         itemsize = np.dtype(dtype).itemsize
         lanes = round_up(head_dim, NUM_LANES)
         double_buffered = 2 * (
@@ -185,18 +263,49 @@ class BlockSizes:
         temporaries = (_SCORE_TILES * self.block_q * self.block_k + self.block_q * lanes) * _F32_BYTES
         return double_buffered + scratch + temporaries
 
-    def validate(self, dtype, head_dim: int) -> None:
-        """Check the dtype-dependent rules: ``block_q`` a multiple of the dtype's sublane tile, and the VMEM
-        estimate within the target's scoped limit. Raises ``ValueError`` naming the field and a fix."""
+    def _backward_vmem_bytes(self, head_dim: int, dtype, kernel: str) -> int:
+        """The backward kernels' VMEM per grid step, counted like the forward's:
+
+        * double-buffered blocks: q and dO ``[block_q, head_dim]``, k and v ``[block_k, head_dim]``, the f32
+          row statistics lse and D as ``[8, block_q]`` rows, and the outputs (dK and dV ``[block_k,
+          head_dim]``; or dQ ``[block_q, head_dim]``);
+        * f32 scratch: the accumulators (dK and dV; or dQ), and for dQ the lane-replicated ``[block_q, 128]``
+          copies of lse and D it builds once per query block;
+        * temporaries: f32 score tiles (``s``, ``p``, ``dp``, ``ds`` and the bf16 matmul operands share
+          three in dK/dV, four in dQ: see the calibration note at ``_DKV_SCORE_TILES``) and one
+          ``[block, head_dim]`` f32 matmul result.
+        """
+        block_q, block_k = self.blocks(kernel)
+        itemsize = np.dtype(dtype).itemsize
+        lanes = round_up(head_dim, NUM_LANES)
+        inputs = (2 * block_q + 2 * block_k) * lanes * itemsize + 2 * _ROW_STAT_ROWS * block_q * _F32_BYTES
+        if kernel == "dkv":
+            outputs = 2 * block_k * lanes * itemsize  # dk, dv
+            scratch = 2 * block_k * lanes * _F32_BYTES  # dk, dv accumulators
+            temporaries = (_DKV_SCORE_TILES * block_k * block_q + block_k * lanes) * _F32_BYTES
+        else:
+            outputs = block_q * lanes * itemsize  # dq
+            scratch = (block_q * lanes + 2 * block_q * NUM_LANES) * _F32_BYTES  # dq accumulator; lse, D columns
+            temporaries = (_DQ_SCORE_TILES * block_q * block_k + block_q * lanes) * _F32_BYTES
+        return 2 * (inputs + outputs) + scratch + temporaries
+
+    def validate(self, dtype, head_dim: int, kernel: str = "forward") -> None:
+        """Check the dtype-dependent rules for ``kernel``: its row blocks a multiple of the dtype's sublane
+        tile, and its VMEM estimate within the target's scoped limit. Raises ``ValueError`` naming the
+        field and a fix."""
         rows = sublanes(dtype)
         name = np.dtype(dtype).name
-        _check_block("block_q", self.block_q, rows, f"a {name} register tile has {rows} rows")
-        need, limit = self.vmem_bytes(head_dim, dtype), vmem_limit_bytes(self.generation)
+        q_field, k_field = _KERNEL_FIELDS[kernel]
+        for field, value in zip((q_field, k_field), self.blocks(kernel), strict=True):
+            if field not in _LANE_FIELDS:
+                _check_block(field, value, rows, f"a {name} register tile has {rows} rows")
+        need, limit = self.vmem_bytes(head_dim, dtype, kernel=kernel), vmem_limit_bytes(self.generation)
         if need > limit:
-            smaller = self.shrunk_to(limit, head_dim, dtype)
+            smaller = self.shrunk_to(limit, head_dim, dtype, kernel=kernel)
+            where = "" if kernel == "forward" else f" in the {_KERNEL_NAMES[kernel]} kernel"
+            have = ", ".join(f"{f}={v}" for f, v in zip((q_field, k_field), self.blocks(kernel), strict=True))
+            fix = ", ".join(f"{f}={v}" for f, v in zip((q_field, k_field), smaller.blocks(kernel), strict=True))
             raise ValueError(
-                f"block_q={self.block_q}, block_k={self.block_k} need about {need / MIB:.1f} MiB of VMEM for "
-                f"head_dim={head_dim} {name}, over the {limit // MIB} MiB scoped limit of "
-                f"{self.generation or current_generation()}; try block_q={smaller.block_q}, block_k={smaller.block_k}"
+                f"{have} need about {need / MIB:.1f} MiB of VMEM{where} for head_dim={head_dim} {name}, over the "
+                f"{limit // MIB} MiB scoped limit of {self.generation or current_generation()}; try {fix}"
             )
-

@@ -1,4 +1,4 @@
-"""The Pallas TPU flash-attention forward kernel (stage 5 of the series): ``impl="pallas"``.
+"""The Pallas TPU flash-attention forward kernel (stage 5 of the series), the forward of ``impl="pallas"``.
 
 The algorithm is :mod:`flashlib.blockwise`'s, with the ``scan`` replaced by a Pallas grid
 ``(batch, heads, num_q_blocks, num_kv_blocks)``. Pallas copies one ``[block_q, head_dim]`` query tile and
@@ -32,12 +32,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from flashlib import cost, env
-from flashlib.api import AttentionShape, register, validate_inputs
+from flashlib.api import AttentionShape, validate_inputs
 from flashlib.blockwise import pad_to_multiple
 from flashlib.kernels.block_sizes import MASK_VALUE, NUM_LANES, BlockSizes
 from flashlib.reference import causal_visible, default_scale
 
-__all__ = ["flash_attention_forward", "resolve_block_sizes"]
+__all__ = ["check_options", "flash_attention_forward", "resolve_block_sizes"]
 
 NT_DIMS = (((1,), (1,)), ((), ()))  # [m, d] x [n, d] -> [m, n]: contract the last dims (q k^T without a transpose)
 
@@ -140,7 +140,7 @@ def resolve_block_sizes(shape: AttentionShape, block_sizes: BlockSizes | None) -
     return fitted
 
 
-def _check_options(shape: AttentionShape, options: Mapping[str, Any]) -> None:
+def check_options(shape: AttentionShape, options: Mapping[str, Any]) -> None:
     """Registry hook: reject bad ``block_sizes``/``interpret`` before anything is traced."""
     resolve_block_sizes(shape, options.get("block_sizes"))
     interpret = options.get("interpret")
@@ -150,14 +150,6 @@ def _check_options(shape: AttentionShape, options: Mapping[str, Any]) -> None:
         )
 
 
-@register(
-    "pallas",
-    description="Pallas TPU flash attention forward: VMEM tiles, online softmax, causal block skipping",
-    options=("block_sizes", "interpret"),
-    check_options=_check_options,
-    native_on=("tpu",),
-    auto_priority=2,
-)
 def flash_attention_forward(
     q: jax.Array,
     k: jax.Array,
@@ -185,6 +177,9 @@ def flash_attention_forward(
 
     Returns:
       ``out`` like ``q`` (and ``lse`` when asked).
+
+    This is the forward kernel alone; :func:`flashlib.kernels.flash_attention` (``impl="pallas"``) joins it
+    with the backward kernels so that ``jax.grad`` works.
     """
     shape = validate_inputs(q, k, v, scale=scale)
     sizes = resolve_block_sizes(shape, block_sizes)

@@ -1,0 +1,110 @@
+"""``impl="pallas"``: the forward and backward Pallas kernels joined into one differentiable function.
+
+``jax.custom_vjp`` tells JAX how to differentiate :func:`flash_attention`: run the forward kernel, saving
+only ``(q, k, v, out, lse)`` — O(N) residuals — then hand the output's cotangent to the two backward
+kernels of :mod:`flashlib.kernels.tpu_backward`, which recompute the probabilities block by block. JAX never
+traces into the kernels for derivatives, so no ``[q_len, kv_len]`` matrix is stored, ever.
+
+The kernels inside the VJP are wrapped once more, in ``jax.custom_jvp`` rules that refuse: differentiating
+them (grad of grad, a Hessian) would need derivatives of the kernels themselves, which flashlib does not
+provide; the error says so and names the way out.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax.experimental.pallas import tpu as pltpu
+
+from flashlib import env
+from flashlib.api import register, validate_inputs
+from flashlib.kernels.block_sizes import BlockSizes
+from flashlib.kernels.tpu_backward import backward
+from flashlib.kernels.tpu_forward import _forward, check_options, resolve_block_sizes
+from flashlib.reference import default_scale
+
+__all__ = ["HIGHER_ORDER_MESSAGE", "flash_attention"]
+
+HIGHER_ORDER_MESSAGE = (
+    "flashlib's Pallas attention supports first-order gradients only; use impl='reference' for higher-order "
+    "derivatives (or impl='blockwise', whose backward is plain JAX)"
+)
+
+
+@register(
+    "pallas",
+    description="Pallas TPU flash attention: forward and backward kernels, online softmax, causal block skipping",
+    options=("block_sizes", "interpret"),
+    check_options=check_options,
+    native_on=("tpu",),
+    auto_priority=2,
+)
+def flash_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    block_sizes: BlockSizes | None = None,
+    interpret: bool | pltpu.InterpretParams | None = None,
+    return_lse: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """Flash attention by the Pallas TPU kernels, differentiable (first order) in ``q``, ``k`` and ``v``.
+
+    Arguments are :func:`~flashlib.kernels.flash_attention_forward`'s. ``block_sizes``' backward fields
+    (None: derived from the forward sizes, :meth:`BlockSizes.for_backward`) are resolved and checked here,
+    before anything is traced. With ``return_lse`` the log-sum-exp is differentiable too.
+    """
+    shape = validate_inputs(q, k, v, scale=scale)
+    sizes = resolve_block_sizes(shape, block_sizes).for_backward(shape.q_len, shape.kv_len, shape.head_dim, shape.dtype)
+    scale = default_scale(shape.head_dim) if scale is None else float(scale)
+    interpret = env.interpret_default() if interpret is None else interpret
+    return _attention(q, k, v, bool(causal), scale, sizes, interpret, bool(return_lse))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _attention(q, k, v, causal, scale, sizes, interpret, return_lse):
+    """Not differentiated: the forward kernel alone (the lse only when asked for)."""
+    return _forward(q, k, v, causal=causal, scale=scale, sizes=sizes, interpret=interpret, return_lse=return_lse)
+
+
+def _attention_fwd(q, k, v, causal, scale, sizes, interpret, return_lse):
+    """Differentiated: the forward kernel with its lse, and the residuals the backward needs."""
+    out, lse = _first_order_forward(q, k, v, causal, scale, sizes, interpret)
+    return ((out, lse) if return_lse else out), (q, k, v, out, lse)
+
+
+def _attention_bwd(causal, scale, sizes, interpret, return_lse, residuals, cotangent):
+    q, k, v, out, lse = residuals
+    do, dlse = cotangent if return_lse else (cotangent, None)
+    return _first_order_backward(q, k, v, out, lse, do, dlse, causal, scale, sizes, interpret)
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+# Grad of grad differentiates the residuals (through the forward kernel) and the backward kernels; Pallas
+# kernels have no derivative rules worth the name, so both refuse with one clear message.
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4, 5, 6))
+def _first_order_forward(q, k, v, causal, scale, sizes, interpret):
+    """``(out, lse)`` by the forward kernel; differentiating this raises :data:`HIGHER_ORDER_MESSAGE`."""
+    return _forward(q, k, v, causal=causal, scale=scale, sizes=sizes, interpret=interpret, return_lse=True)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(7, 8, 9, 10))
+def _first_order_backward(q, k, v, out, lse, do, dlse, causal, scale, sizes, interpret):
+    """``(dq, dk, dv)`` by the backward kernels; differentiating this raises :data:`HIGHER_ORDER_MESSAGE`."""
+    return backward(q, k, v, out, lse, do, dlse, causal=causal, scale=scale, sizes=sizes, interpret=interpret)
+
+
+def _refuse_higher_order(causal, scale, sizes, interpret, primals, tangents):
+    del causal, scale, sizes, interpret, primals, tangents
+    raise NotImplementedError(HIGHER_ORDER_MESSAGE)
+
+
+_first_order_forward.defjvp(_refuse_higher_order)
+_first_order_backward.defjvp(_refuse_higher_order)

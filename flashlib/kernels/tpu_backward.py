@@ -1,0 +1,383 @@
+"""The Pallas TPU flash-attention backward kernels (stage 6 of the series): dK/dV and dQ by recomputation.
+
+The forward keeps only ``out`` and the row log-sum-exp ``lse``. From them and the cotangent ``dO``:
+
+    P  = exp(q k^T * scale - lse)          recomputed block by block, never stored whole
+    dV = P^T dO,   dP = dO v^T
+    dS = P * (dP - D),   D = rowsum(dO * out)   (D_i = sum_j P_ij dP_ij: the softmax Jacobian's own term)
+    dQ = dS k * scale,   dK = dS^T q * scale
+
+Two kernels, so that every output block has one owner that accumulates it in f32 VMEM (no atomics):
+
+* **dK/dV**, grid ``(batch, heads, kv blocks, q blocks)``: a key block stays in VMEM while the query blocks
+  stream past on the last, sequential ("arbitrary") axis. It works on the *transposed* score tile
+  ``s^T = k q^T [block_k, block_q]``: then ``dV += P^T dO`` and ``dK += dS^T q`` are plain matmuls (no
+  score tile is ever transposed), and the queries' lse and D broadcast down sublanes from compact
+  ``[8, block_q]`` rows.
+* **dQ**, grid ``(batch, heads, q blocks, kv blocks)`` like the forward: a query block stays while key
+  blocks stream past. Its ``init`` turns the lse and D rows into lane-replicated ``[block_q, 128]`` columns
+  once per query block (one transpose), so the body broadcasts them as the forward broadcasts ``m``, ``l``.
+
+The price of one owner per output: both kernels recompute ``s`` and ``dP``, 7 matmuls per score where the
+algorithm needs 5 (:mod:`flashlib.cost`); the alternative, one kernel adding dQ contributions from every
+key block, needs atomics or a ``[q_len, head_dim]`` f32 accumulator shared across grid steps.
+
+Both run the forward's three kinds of block: causal blocks above the diagonal are skipped (a ``pl.when``
+on the program ids, and an index map clamped so the skipped steps fetch nothing new), blocks straddling
+the diagonal or holding padded keys build an element mask, the rest are plain. Padded queries need no
+mask: their dO and D are zero and their lse is ``NO_KEY_LSE``, so ``P = exp(s - lse)`` is exactly 0 there —
+the same value a query that sees no key at all gets (the forward returned ``lse = -inf`` for it).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from flashlib import cost, env
+from flashlib.api import validate_inputs
+from flashlib.blockwise import pad_to_multiple
+from flashlib.kernels.block_sizes import MASK_VALUE, NUM_LANES, NUM_SUBLANES, BlockSizes
+from flashlib.kernels.tpu_forward import NT_DIMS, _lanes_to, resolve_block_sizes
+from flashlib.reference import causal_visible, default_scale
+
+__all__ = ["NO_KEY_LSE", "flash_attention_backward"]
+
+# The lse given to padded query rows and to rows that see no key: exp(s - NO_KEY_LSE) is 0 for every score
+# s, masked (MASK_VALUE) or not, so such a row adds nothing to dK, dV and gets dQ = 0. Finite, like MASK_VALUE.
+NO_KEY_LSE = -MASK_VALUE
+PARALLEL, ARBITRARY = "parallel", "arbitrary"
+
+
+def _sublanes_to(rows: jax.Array, height: int) -> jax.Array:
+    """A sublane-replicated ``[8, n]`` row block as ``[height, n]`` (height a multiple of 8): whole-vreg copies."""
+    return jnp.tile(rows, (height // NUM_SUBLANES, 1))
+
+
+def _rows_to_columns(rows: jax.Array) -> jax.Array:
+    """A sublane-replicated ``[8, n]`` row block as a lane-replicated ``[n, 128]`` column block: fill a
+    ``[128, n]`` square with whole-vreg copies, then transpose it once."""
+    return _sublanes_to(rows, NUM_LANES).T
+
+
+def _visit_block(body: Callable[[bool], None], q_block, kv_block, *, may_mask: bool, geometry: dict) -> None:
+    """Run ``body(masked)`` on the three kinds of block: skipped (causal, above the diagonal), masked
+    (straddles the diagonal or holds padded keys), plain. ``may_mask`` False: every block is plain."""
+    if not may_mask:
+        body(False)
+        return
+    block_visible = cost.block_is_visible(q_block, kv_block, **geometry)
+    needs_mask = cost.block_needs_mask(q_block, kv_block, **geometry)
+
+    @pl.when(block_visible & needs_mask)
+    def masked_body():
+        body(True)
+
+    @pl.when(block_visible & ~needs_mask)
+    def plain_body():
+        body(False)
+
+
+def _visible(q_pos: jax.Array, kv_pos: jax.Array, *, q_len: int, kv_len: int, causal: bool) -> jax.Array:
+    """The element mask of a block: the key is real (not padding) and, if causal, not in the query's future."""
+    visible = kv_pos < kv_len
+    if causal:
+        visible &= causal_visible(q_pos, kv_pos, q_len=q_len, kv_len=kv_len)
+    return visible
+
+
+# ---------------------------------------------------------------------------------------------------
+# dK and dV: one key block per (batch, head, kv block), query blocks streaming past
+# ---------------------------------------------------------------------------------------------------
+
+
+def _dkv_kernel(
+    q_ref,  # [block_q, head_dim]
+    k_ref,  # [block_k, head_dim]
+    v_ref,  # [block_k, head_dim]
+    do_ref,  # [block_q, head_dim]
+    lse_ref,  # [8, block_q] f32, sublane-replicated
+    d_ref,  # [8, block_q] f32, sublane-replicated
+    dk_ref,  # out [block_k, head_dim]
+    dv_ref,  # out [block_k, head_dim]
+    dk_acc_ref,  # scratch [block_k, head_dim] f32
+    dv_acc_ref,  # scratch [block_k, head_dim] f32
+    *,
+    causal: bool,
+    scale: float,
+    q_len: int,
+    kv_len: int,
+    has_padding: bool,
+):
+    block_q, block_k = q_ref.shape[0], k_ref.shape[0]
+    kv_block, q_block = pl.program_id(2), pl.program_id(3)
+    geometry = dict(block_q=block_q, block_k=block_k, q_len=q_len, kv_len=kv_len, causal=causal)
+
+    @pl.when(q_block == 0)
+    def init():
+        dk_acc_ref[...] = jnp.zeros(dk_acc_ref.shape, jnp.float32)  # [block_k, head_dim]
+        dv_acc_ref[...] = jnp.zeros(dv_acc_ref.shape, jnp.float32)  # [block_k, head_dim]
+
+    def body(masked: bool):
+        q, k, do = q_ref[...], k_ref[...], do_ref[...]  # [block_q, d], [block_k, d], [block_q, d]
+        s_t = lax.dot_general(k, q, NT_DIMS, preferred_element_type=jnp.float32) * scale  # [block_k, block_q]
+        if masked:
+            shape = (block_k, block_q)
+            kv_pos = kv_block * block_k + lax.broadcasted_iota(jnp.int32, shape, 0)  # [block_k, block_q]
+            q_pos = q_block * block_q + lax.broadcasted_iota(jnp.int32, shape, 1)  # [block_k, block_q]
+            visible = _visible(q_pos, kv_pos, q_len=q_len, kv_len=kv_len, causal=causal)  # [block_k, block_q]
+            s_t = jnp.where(visible, s_t, MASK_VALUE)  # [block_k, block_q]
+        p_t = jnp.exp(s_t - _sublanes_to(lse_ref[...], block_k))  # [block_k, block_q]   0 where masked
+        dv_acc_ref[...] += jnp.dot(p_t.astype(do.dtype), do, preferred_element_type=jnp.float32)  # [block_k, d]
+        dp_t = lax.dot_general(v_ref[...], do, NT_DIMS, preferred_element_type=jnp.float32)  # [block_k, block_q]
+        ds_t = p_t * (dp_t - _sublanes_to(d_ref[...], block_k))  # [block_k, block_q]
+        dk_acc_ref[...] += jnp.dot(ds_t.astype(q.dtype), q, preferred_element_type=jnp.float32)  # [block_k, d]
+
+    _visit_block(body, q_block, kv_block, may_mask=causal or has_padding, geometry=geometry)
+
+    @pl.when(q_block == pl.num_programs(3) - 1)
+    def finalize():
+        dk_ref[...] = (dk_acc_ref[...] * scale).astype(dk_ref.dtype)  # [block_k, head_dim]   scale once, here
+        dv_ref[...] = dv_acc_ref[...].astype(dv_ref.dtype)  # [block_k, head_dim]
+
+
+def _dkv(q, k, v, do, lse_rows, d_rows, *, causal: bool, scale: float, q_len: int, kv_len: int,
+         sizes: BlockSizes, interpret) -> tuple[jax.Array, jax.Array]:
+    """dK, dV ``[b, h, num_kv_blocks * block_k, d]`` from padded inputs (rows past ``kv_len``: padding)."""
+    batch, heads, _, head_dim = q.shape
+    block_q, block_k = sizes.blocks("dkv")
+    num_q_blocks, num_kv_blocks = -(-q_len // block_q), -(-kv_len // block_k)
+
+    def visited_q_block(j, i):
+        """Query block ``i``, or — before the first query block that sees key block ``j`` — that block:
+        the skipped steps keep the same index, so the pipeline copies nothing for them."""
+        if not causal:
+            return i
+        first_query = jnp.maximum(cost.first_query_seeing(j, block_k=block_k, q_len=q_len, kv_len=kv_len), 0)
+        return jnp.maximum(i, lax.div(first_query, block_q))  # lax.div: floor of a value >= 0, no sign()
+
+    def kv_index_map(b, h, j, i):
+        return b, h, j, 0
+
+    def q_index_map(b, h, j, i):
+        return b, h, visited_q_block(j, i), 0
+
+    def row_stat_index_map(b, h, j, i):
+        return b, h, 0, visited_q_block(j, i)
+
+    squeezed = pl.squeezed
+    q_spec = pl.BlockSpec((squeezed, squeezed, block_q, head_dim), q_index_map)
+    kv_spec = pl.BlockSpec((squeezed, squeezed, block_k, head_dim), kv_index_map)
+    row_spec = pl.BlockSpec((squeezed, squeezed, NUM_SUBLANES, block_q), row_stat_index_map)
+    dkv_shape = (batch, heads, num_kv_blocks * block_k, head_dim)
+    dims = (batch, heads, q_len, kv_len, head_dim, causal)
+    kernel = functools.partial(
+        _dkv_kernel, causal=causal, scale=scale, q_len=q_len, kv_len=kv_len,
+        has_padding=num_kv_blocks * block_k != kv_len,
+    )
+    return pl.pallas_call(
+        kernel,
+        grid=(batch, heads, num_kv_blocks, num_q_blocks),
+        in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec],
+        out_specs=[kv_spec, kv_spec],
+        out_shape=[jax.ShapeDtypeStruct(dkv_shape, k.dtype), jax.ShapeDtypeStruct(dkv_shape, v.dtype)],
+        scratch_shapes=[
+            pltpu.VMEM((block_k, head_dim), jnp.float32),  # dK accumulator
+            pltpu.VMEM((block_k, head_dim), jnp.float32),  # dV accumulator
+        ],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=(PARALLEL, PARALLEL, PARALLEL, ARBITRARY)),
+        cost_estimate=pl.CostEstimate(
+            flops=cost.attention_backward_flops(*dims, block_sizes=sizes, kernel="dkv"),
+            transcendentals=cost.attention_backward_transcendentals(*dims, block_sizes=sizes, kernel="dkv"),
+            bytes_accessed=cost.attention_backward_bytes(*dims, q.dtype, block_sizes=sizes, kernel="dkv"),
+        ),
+        interpret=interpret,
+        name="flash_attention_dkv" + ("_causal" if causal else ""),
+    )(q, k, v, do, lse_rows, d_rows)
+
+
+# ---------------------------------------------------------------------------------------------------
+# dQ: one query block per (batch, head, q block), key blocks streaming past
+# ---------------------------------------------------------------------------------------------------
+
+
+def _dq_kernel(
+    q_ref,  # [block_q, head_dim]
+    k_ref,  # [block_k, head_dim]
+    v_ref,  # [block_k, head_dim]
+    do_ref,  # [block_q, head_dim]
+    lse_ref,  # [8, block_q] f32, sublane-replicated
+    d_ref,  # [8, block_q] f32, sublane-replicated
+    dq_ref,  # out [block_q, head_dim]
+    dq_acc_ref,  # scratch [block_q, head_dim] f32
+    lse_col_ref,  # scratch [block_q, 128] f32, lane-replicated
+    d_col_ref,  # scratch [block_q, 128] f32, lane-replicated
+    *,
+    causal: bool,
+    scale: float,
+    q_len: int,
+    kv_len: int,
+    has_padding: bool,
+):
+    block_q, block_k = q_ref.shape[0], k_ref.shape[0]
+    q_block, kv_block = pl.program_id(2), pl.program_id(3)
+    geometry = dict(block_q=block_q, block_k=block_k, q_len=q_len, kv_len=kv_len, causal=causal)
+
+    @pl.when(kv_block == 0)
+    def init():
+        dq_acc_ref[...] = jnp.zeros(dq_acc_ref.shape, jnp.float32)  # [block_q, head_dim]
+        lse_col_ref[...] = _rows_to_columns(lse_ref[...])  # [block_q, 128]
+        d_col_ref[...] = _rows_to_columns(d_ref[...])  # [block_q, 128]
+
+    def body(masked: bool):
+        q, k = q_ref[...], k_ref[...]  # [block_q, d], [block_k, d]
+        s = lax.dot_general(q, k, NT_DIMS, preferred_element_type=jnp.float32) * scale  # [block_q, block_k]
+        if masked:
+            shape = (block_q, block_k)
+            q_pos = q_block * block_q + lax.broadcasted_iota(jnp.int32, shape, 0)  # [block_q, block_k]
+            kv_pos = kv_block * block_k + lax.broadcasted_iota(jnp.int32, shape, 1)  # [block_q, block_k]
+            visible = _visible(q_pos, kv_pos, q_len=q_len, kv_len=kv_len, causal=causal)  # [block_q, block_k]
+            s = jnp.where(visible, s, MASK_VALUE)  # [block_q, block_k]
+        p = jnp.exp(s - _lanes_to(lse_col_ref[...], block_k))  # [block_q, block_k]   0 where masked
+        dp = lax.dot_general(do_ref[...], v_ref[...], NT_DIMS, preferred_element_type=jnp.float32)  # [block_q, block_k]
+        ds = p * (dp - _lanes_to(d_col_ref[...], block_k))  # [block_q, block_k]
+        dq_acc_ref[...] += jnp.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)  # [block_q, d]
+
+    _visit_block(body, q_block, kv_block, may_mask=causal or has_padding, geometry=geometry)
+
+    @pl.when(kv_block == pl.num_programs(3) - 1)
+    def finalize():
+        dq_ref[...] = (dq_acc_ref[...] * scale).astype(dq_ref.dtype)  # [block_q, head_dim]   scale once, here
+
+
+def _dq(q, k, v, do, lse_rows, d_rows, *, causal: bool, scale: float, q_len: int, kv_len: int,
+        sizes: BlockSizes, interpret) -> jax.Array:
+    """dQ ``[b, h, num_q_blocks * block_q, d]`` from padded inputs (rows past ``q_len``: padding)."""
+    batch, heads, _, head_dim = q.shape
+    block_q, block_k = sizes.blocks("dq")
+    num_q_blocks, num_kv_blocks = -(-q_len // block_q), -(-kv_len // block_k)
+
+    def visited_kv_block(i, j):
+        """Key block ``j``, or — past the last key block query block ``i`` sees — that block (no copy)."""
+        if not causal:
+            return j
+        last_key = jnp.maximum(cost.last_key_seen(i, block_q=block_q, q_len=q_len, kv_len=kv_len), 0)
+        return jnp.minimum(j, lax.div(last_key, block_k))  # lax.div: floor of a value >= 0, no sign()
+
+    def q_index_map(b, h, i, j):
+        return b, h, i, 0
+
+    def kv_index_map(b, h, i, j):
+        return b, h, visited_kv_block(i, j), 0
+
+    def row_stat_index_map(b, h, i, j):
+        return b, h, 0, i
+
+    squeezed = pl.squeezed
+    q_spec = pl.BlockSpec((squeezed, squeezed, block_q, head_dim), q_index_map)
+    kv_spec = pl.BlockSpec((squeezed, squeezed, block_k, head_dim), kv_index_map)
+    row_spec = pl.BlockSpec((squeezed, squeezed, NUM_SUBLANES, block_q), row_stat_index_map)
+    dims = (batch, heads, q_len, kv_len, head_dim, causal)
+    kernel = functools.partial(
+        _dq_kernel, causal=causal, scale=scale, q_len=q_len, kv_len=kv_len,
+        has_padding=num_kv_blocks * block_k != kv_len,
+    )
+    return pl.pallas_call(
+        kernel,
+        grid=(batch, heads, num_q_blocks, num_kv_blocks),
+        in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec],
+        out_specs=q_spec,
+        out_shape=jax.ShapeDtypeStruct((batch, heads, num_q_blocks * block_q, head_dim), q.dtype),
+        scratch_shapes=[
+            pltpu.VMEM((block_q, head_dim), jnp.float32),  # dQ accumulator
+            pltpu.VMEM((block_q, NUM_LANES), jnp.float32),  # lse, lane-replicated
+            pltpu.VMEM((block_q, NUM_LANES), jnp.float32),  # D, lane-replicated
+        ],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=(PARALLEL, PARALLEL, PARALLEL, ARBITRARY)),
+        cost_estimate=pl.CostEstimate(
+            flops=cost.attention_backward_flops(*dims, block_sizes=sizes, kernel="dq"),
+            transcendentals=cost.attention_backward_transcendentals(*dims, block_sizes=sizes, kernel="dq"),
+            bytes_accessed=cost.attention_backward_bytes(*dims, q.dtype, block_sizes=sizes, kernel="dq"),
+        ),
+        interpret=interpret,
+        name="flash_attention_dq" + ("_causal" if causal else ""),
+    )(q, k, v, do, lse_rows, d_rows)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The backward pass: D, padding, the row statistics, both kernels
+# ---------------------------------------------------------------------------------------------------
+
+
+def _as_rows(x: jax.Array, length: int, fill: float) -> jax.Array:
+    """A row statistic ``[b, h, n]`` padded with ``fill`` to ``length`` and replicated over the 8 sublanes:
+    ``[b, h, 8, length]`` f32 (8x the data; a lane-replicated ``[length, 128]`` copy would be 128x)."""
+    batch, heads, n = x.shape
+    x = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, 0), (0, length - n)), constant_values=fill)  # [b, h, length]
+    return jnp.broadcast_to(x[:, :, None, :], (batch, heads, NUM_SUBLANES, length))
+
+
+def flash_attention_backward(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    out: jax.Array,
+    lse: jax.Array,
+    do: jax.Array,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    block_sizes: BlockSizes | None = None,
+    interpret: bool | pltpu.InterpretParams | None = None,
+    dlse: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The attention VJP by the two Pallas kernels: ``(dq, dk, dv)`` like ``(q, k, v)``.
+
+    Args:
+      q, k, v: the forward's inputs; out, lse: its output and row log-sum-exp ``[b, h, q_len]`` f32
+        (``flash_attention_forward(..., return_lse=True)``; ``-inf`` for a row that sees no key).
+      do: the cotangent of ``out``, like ``out``.
+      causal, scale: as in the forward.
+      block_sizes: None picks the defaults; the backward fields left None are derived
+        (:meth:`BlockSizes.for_backward`).
+      interpret: as in the forward.
+      dlse: the cotangent of ``lse``, if the caller differentiates it too (``dS`` gains ``P * dlse``, so it
+        is folded into ``D``).
+    """
+    shape = validate_inputs(q, k, v, scale=scale)
+    sizes = resolve_block_sizes(shape, block_sizes).for_backward(shape.q_len, shape.kv_len, shape.head_dim, shape.dtype)
+    scale = default_scale(shape.head_dim) if scale is None else float(scale)
+    interpret = env.interpret_default() if interpret is None else interpret
+    return backward(q, k, v, out, lse, do, dlse, causal=bool(causal), scale=scale, sizes=sizes, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "scale", "sizes", "interpret"))
+def backward(q, k, v, out, lse, do, dlse, *, causal: bool, scale: float, sizes: BlockSizes, interpret):
+    """:func:`flash_attention_backward` on resolved, static settings (what the custom VJP calls)."""
+    q_len, kv_len = q.shape[2], k.shape[2]
+    (block_q_dkv, block_k_dkv), (block_q_dq, block_k_dq) = sizes.blocks("dkv"), sizes.blocks("dq")
+    d = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [b, h, q_len]
+    if dlse is not None:
+        d = d - dlse  # [b, h, q_len]   dS = P * (dP - D) + P * dlse
+    lse = jnp.where(jnp.isfinite(lse), lse, NO_KEY_LSE)  # [b, h, q_len]   rows that see no key -> P = 0
+
+    # Pad once to a length both kernels tile; each grid covers only the blocks its own sizes need.
+    q_padded = pad_to_multiple(q, 2, math.lcm(block_q_dkv, block_q_dq))  # [b, h, Tq, d]
+    do_padded = pad_to_multiple(do, 2, math.lcm(block_q_dkv, block_q_dq))  # [b, h, Tq, d]
+    k_padded = pad_to_multiple(k, 2, math.lcm(block_k_dkv, block_k_dq))  # [b, h, Tk, d]
+    v_padded = pad_to_multiple(v, 2, math.lcm(block_k_dkv, block_k_dq))  # [b, h, Tk, d]
+    lse_rows = _as_rows(lse, q_padded.shape[2], NO_KEY_LSE)  # [b, h, 8, Tq]
+    d_rows = _as_rows(d, q_padded.shape[2], 0.0)  # [b, h, 8, Tq]
+
+    inputs = (q_padded, k_padded, v_padded, do_padded, lse_rows, d_rows)
+    settings = dict(causal=causal, scale=scale, q_len=q_len, kv_len=kv_len, sizes=sizes, interpret=interpret)
+    dk, dv = _dkv(*inputs, **settings)  # [b, h, nk * block_k_dkv, d] each
+    dq = _dq(*inputs, **settings)  # [b, h, nq * block_q_dq, d]
+    return dq[:, :, :q_len], dk[:, :, :kv_len], dv[:, :, :kv_len]
