@@ -260,7 +260,10 @@ def _diagnose(stderr: str, version: str | None) -> EstimateError:
     if "Dma latency model is currently only supported" in stderr:
         return UnsupportedChipError("the static cost model does not cover this TPU generation (libtpu: "
                                     "'Dma latency model is currently only supported on VF/VL/GF/GL')")
-    fatal = next((ln for ln in stderr.splitlines() if ln.startswith("F") and "Check failed" in ln), "")
+    # The profiler's own failures: a failed check, or a "Static LLO profiling of <op> failed: ..." (seen for
+    # head_dim=64 on v5e and v6e: "Cannot schedule FIFO pop instruction when the FIFO is empty").
+    fatal = next((ln for ln in stderr.splitlines() if ln.startswith("F")
+                  and ("Check failed" in ln or "Static LLO profiling of" in ln)), "")
     if fatal:
         hint = ""
         if "vmatmul.msk" in fatal:  # seen with jnp.where(mask, p, 0.0) feeding a bf16 p @ v; p * mask compiles

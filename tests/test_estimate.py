@@ -138,6 +138,9 @@ def test_old_libtpu_is_refused_by_version(monkeypatch):
          "supported on VF/VL/GF/GL.", estimate.UnsupportedChipError, "does not cover"),
         ("noise\nF1130 00:36:42.5 25004 llo_module.cc:75] Check failed: TakeStatus() is OK (INTERNAL: Expected "
          "vector-f32, got vector-bf16packed", estimate.ProfilerCrashError, "Expected vector-f32"),
+        ("F1130 01:20:43.0 19571 llo_dumper.cc:1697] Static LLO profiling of flash_attention.1 failed: "
+         "FAILED_PRECONDITION: Cannot schedule FIFO pop instruction when the FIFO is empty",
+         estimate.ProfilerCrashError, "Cannot schedule FIFO pop"),
         ("Segmentation fault", estimate.EstimateError, "Segmentation fault"),
     ],
 )

@@ -1,0 +1,168 @@
+"""Make ``data/tuning/forward_blocks.json``: the forward kernel's block sizes, tuned by libtpu's static estimate.
+
+For every shape ``[batch=1, heads=8, T, head_dim]`` bf16 with T in {1024, 2048, 4096}, head_dim in {128, 64},
+causal and not, on v5e and v6e: compile every candidate ``block_q x block_k`` (256, 512, 1024 each, clamped
+to T, those flashlib's VMEM estimate refuses recorded as ``refused``) ahead of time for the target with
+libtpu's static profiler, and JAX's own flash attention on a few of its configurations as a yardstick
+(:func:`flashlib.tuning.tune`). Every outcome is kept: cycles, or ``refused`` / ``compile_error`` /
+``profiler_crash`` with the reason. No TPU needed; libtpu >= 0.0.42 is (the newest-jax environment)::
+
+    JAX_PLATFORMS=cpu .venv/bin/python data/tuning/make_tuned_table.py          # about an hour on 2 cores
+
+This script is the single source of truth for the table: when the kernel changes, rerun it. The file is
+rewritten after every shape (``"complete": false`` until the end), so an interrupted run keeps its results.
+``flashlib.tuning.load_tuned_table`` reads it and ``flashlib.tuning.lookup`` answers from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import itertools
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+import jax  # noqa: E402
+
+from flashlib import estimate, tuning  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+KERNEL_SOURCES = ("flashlib/kernels", "flashlib/cost.py", "flashlib/blockwise.py", "flashlib/reference.py")
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def _git(*args: str) -> str:
+    try:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return ""
+
+
+def kernel_source() -> str:
+    """The commit the kernel was compiled from, and whether its files had uncommitted changes."""
+    commit = _git("rev-parse", "--short", "HEAD") or "unknown commit"
+    dirty = _git("status", "--porcelain", "--", *KERNEL_SOURCES)
+    return f"{commit}" + (" + uncommitted changes to the kernel sources" if dirty else "")
+
+
+def kernel_digest() -> str:
+    """sha256 of the kernel's source files, to notice a kernel edited while the sweep ran."""
+    digest = hashlib.sha256()
+    for source in KERNEL_SOURCES:
+        path = ROOT / source
+        for file in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
+            digest.update(file.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def header(args: argparse.Namespace) -> dict:
+    """What made the table, and how to read it."""
+    return {
+        "about": "flashlib Pallas forward kernel: block sizes tuned by libtpu's static cycle estimate "
+                 "(--xla_jf_dump_static_llo_profile_to), compiled ahead of time on a CPU machine, never timed on "
+                 "a TPU. best = the candidate with the fewest estimated cycles; vs_jax_flash = its cycles over "
+                 "the best of JAX's own flash_attention (baseline) on the same shape. Status: ok, refused "
+                 "(flashlib's VMEM/tiling check), compile_error (the compiler's), profiler_crash (libtpu's "
+                 "static profiler aborts on a kernel that compiles: no estimate).",
+        "lookup_rule": "flashlib.tuning.lookup: same generation, dtype and causality among entries with a best; "
+                       "the same head_dim, else the smallest tuned head_dim above it; the largest tuned "
+                       "max(q_len, kv_len) <= the call's (else the shortest entry); the best blocks clamped by "
+                       "BlockSizes.fit and validated, else None.",
+        "made_by": " ".join(["data/tuning/make_tuned_table.py", *sys.argv[1:]]),
+        "kernel_source": kernel_source(),
+        "kernel_sha256": kernel_digest(),
+        "libtpu": estimate.libtpu_version(),
+        "jax": jax.__version__,
+        "python": platform.python_version(),
+        "date": datetime.date.today().isoformat(),
+        "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs, no TPU",
+        "candidates": {"block_q": args.blocks, "block_k": args.blocks,
+                       "jax_flash": [list(c) for c in tuning.JAX_FLASH_CHOICES] if args.baseline else []},
+        "grid": {"topologies": args.topologies, "seq": args.seq, "head_dim": args.head_dims, "dtype": args.dtype,
+                 "causal": [False, True], "batch": args.batch, "heads": args.heads},
+    }
+
+
+def check_kernel_unchanged(head: dict, entries: list[tuning.TuningResult], timeout: float) -> None:
+    """Did the kernel change while the sweep ran (another hand editing it)? Compare the sources' digest, and
+    estimate again the best of the first and the last entry that have one: if those cycles moved, the table
+    mixes two kernels and gets a ``warning``; a source edit that changed no cycles (a docstring) only a note."""
+    head["kernel_sha256_at_end"] = kernel_digest()
+    with_best = [e for e in entries if e.best is not None]
+    head["recheck"] = []
+    for entry in {id(e): e for e in with_best[:1] + with_best[-1:]}.values():
+        again = tuning.estimate_trial(
+            "pallas", block_q=entry.best.block_q, block_k=entry.best.block_k, topology=entry.topology,
+            timeout=timeout, batch=entry.batch, heads=entry.heads, seq=entry.q_len, kv_seq=entry.kv_len,
+            head_dim=entry.head_dim, dtype=entry.dtype, causal=entry.causal,
+        )
+        head["recheck"].append({"entry": f"{entry.topology} T={entry.q_len} d={entry.head_dim} causal={entry.causal} "
+                                f"{entry.best.label}", "cycles_in_table": entry.best.cycles,
+                                "cycles_at_end": again.cycles})
+    if any(r["cycles_in_table"] != r["cycles_at_end"] for r in head["recheck"]):
+        head["warning"] = "the kernel changed while this table was made (see recheck): rerun the script"
+        print(f"warning: {head['warning']}", file=sys.stderr)
+    elif head["kernel_sha256_at_end"] != head["kernel_sha256"]:
+        head["note"] = ("the kernel sources were edited while this table was made, but the rechecked entries "
+                        "estimate the same cycles at the end")
+
+
+def write(path: Path, head: dict, entries: list[tuning.TuningResult], complete: bool) -> None:
+    """Rewrite the table atomically."""
+    data = {**head, "complete": complete, "entries": [e.to_json() for e in entries]}
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    tmp.replace(path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--topologies", type=lambda s: s.split(","), default=["v5e:1x1", "v6e:1x1"])
+    parser.add_argument("--seq", type=_ints, default=[1024, 2048, 4096])
+    parser.add_argument("--head-dims", type=_ints, default=[128, 64])
+    parser.add_argument("--blocks", type=_ints, default=list(tuning.BLOCK_CHOICES))
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--no-baseline", dest="baseline", action="store_false", help="skip JAX's flash_attention")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per compile")
+    parser.add_argument("--out", type=Path, default=tuning.TABLE_PATH)
+    args = parser.parse_args(argv)
+    if max(args.blocks) >= 8192:
+        parser.error("blocks of 8192 or more take the compiler minutes and never fit VMEM: leave them out")
+    if not estimate.supports_static_profile():
+        sys.exit(f"libtpu {estimate.libtpu_version()} cannot make static estimates (needs >= "
+                 f"{'.'.join(map(str, estimate.MIN_LIBTPU))}): run this in the newest-jax environment (.venv)")
+
+    head = header(args)
+    grid = list(itertools.product(args.topologies, args.head_dims, (False, True), args.seq))
+    entries: list[tuning.TuningResult] = []
+    for topology, head_dim, causal, seq in tuning.progress(
+        grid, describe=lambda g: f"{g[0]} d={g[1]} causal={g[2]} T={g[3]}"
+    ):
+        result = tuning.tune(seq, seq, head_dim, args.dtype, causal, topology, batch=args.batch, heads=args.heads,
+                             choices=args.blocks, baseline=tuning.JAX_FLASH_CHOICES if args.baseline else (),
+                             timeout=args.timeout, report=lambda line: print(line, flush=True))
+        entries.append(result)
+        best, base = result.best, result.baseline_best
+        print(f"  best: {best.label + f' {best.cycles:,}' if best else 'none'}; "
+              f"jax_flash: {base.label + f' {base.cycles:,}' if base else 'none'}", flush=True)
+        write(args.out, head, entries, complete=False)
+    check_kernel_unchanged(head, entries, args.timeout)
+    write(args.out, head, entries, complete=True)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

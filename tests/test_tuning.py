@@ -1,0 +1,223 @@
+"""flashlib.tuning: candidate blocks, the bookkeeping of a tuning run, the committed table and its lookup rule.
+
+Nothing here compiles except the ``@pytest.mark.tpu`` check that every tuned configuration in the committed
+table compiles for its TPU target (a small length, one head: seconds). ``tune`` itself is exercised with a
+stand-in for the compiler; the real sweep is ``data/tuning/make_tuned_table.py``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import flashlib
+from flashlib import estimate, hardware, tuning
+from flashlib.kernels.block_sizes import GENERATIONS, NUM_LANES, BlockSizes, sublanes, vmem_limit_bytes
+from flashlib.tpu_compile import compile_for_tpu
+from flashlib.tuning import TableKey, Trial, TuningResult
+
+# ---------------------------------------------------------------------------------------------------
+# Candidates
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("generation", GENERATIONS)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_candidates_obey_the_tiling_rule_and_fit_vmem(generation, dtype, head_dim):
+    found = tuning.candidates(2048, 2048, head_dim, dtype, generation)
+    assert found, "some blocks always fit"
+    for sizes in found:
+        assert sizes.generation == generation
+        assert sizes.block_q % sublanes(dtype) == 0 and sizes.block_k % NUM_LANES == 0
+        assert sizes.vmem_bytes(head_dim, dtype) <= vmem_limit_bytes(generation)
+        sizes.validate(dtype, head_dim)
+
+
+def test_flashlibs_vmem_estimate_decides_what_is_tried():
+    v5e = {(s.block_q, s.block_k) for s in tuning.candidates(2048, 2048, 128, "bfloat16", "v5e")}
+    v6e = {(s.block_q, s.block_k) for s in tuning.candidates(2048, 2048, 128, "bfloat16", "v6e")}
+    assert (1024, 1024) not in v5e and (1024, 1024) in v6e  # ~17 MiB: over v5e's 16 MiB, under v6e's 32
+    assert v6e == {(q, k) for q in tuning.BLOCK_CHOICES for k in tuning.BLOCK_CHOICES}
+
+
+def test_candidates_are_clamped_to_short_sequences_and_deduplicated():
+    found = tuning.candidates(300, 200, 64, jnp.bfloat16, "v5e")
+    assert {(s.block_q, s.block_k) for s in found} == {(256, 256), (304, 256)}  # 300 -> 304 rows, 200 -> 256 keys
+
+
+def test_candidates_need_a_known_generation():
+    with pytest.raises(ValueError, match="generation must be one of"):
+        tuning.candidates(1024, 1024, 128, "bfloat16", "v4")
+
+
+# ---------------------------------------------------------------------------------------------------
+# A tuning run, with a stand-in for the compiler
+# ---------------------------------------------------------------------------------------------------
+
+
+def _fake_estimate(impl, *, seq, block_q, block_k, block_k_major=None, topology, causal, **shape):
+    """Cycles that prefer block_q 512; causal flashlib kernels 'crash the profiler' at block_k 256."""
+    if impl == "pallas" and causal and block_k == 256:
+        raise estimate.ProfilerCrashError("libtpu's static profiler crashed on this kernel")
+    if block_q == 1024 and block_k == 1024:
+        raise estimate.EstimateError("does not compile for v6e:1x1: VMEM")
+    cycles = 1000 * abs(block_q - 512) + 100_000 // block_k + (5 if impl == "jax_flash" else 0)
+    chip = hardware.chip_for_topology(topology)
+    return estimate.CycleEstimate(topology, chip, {"kernel": cycles}, flops=chip.flops_per_cycle * 100.0,
+                                  libtpu_version="test", compile_seconds=0.1)
+
+
+def test_tune_keeps_every_outcome_and_picks_the_fewest_cycles(monkeypatch):
+    monkeypatch.setattr(estimate, "estimate_attention", _fake_estimate)
+    heard: list[str] = []
+    result = tuning.tune(1024, head_dim=128, causal=True, topology="v5e:1x1", baseline=tuning.JAX_FLASH_CHOICES,
+                         report=heard.append)
+    statuses = {(t.block_q, t.block_k): t.status for t in result.trials}
+    assert statuses[(1024, 1024)] == "refused"  # flashlib's VMEM estimate: never compiled
+    assert statuses[(512, 256)] == "profiler_crash" and statuses[(512, 1024)] == "ok"
+    assert (result.best.block_q, result.best.block_k) == (512, 1024)
+    assert result.best_block_sizes == BlockSizes(512, 1024, generation="v5e")
+    # JAX's configurations longer than the sequence are left out; a compile error is an outcome too
+    assert [t.label for t in result.baseline] == ["q512/km512/k512", "q1024/km1024/k1024"]
+    assert [t.status for t in result.baseline] == ["ok", "compile_error"]
+    assert result.baseline_best.label == "q512/km512/k512"
+    assert len(heard) == len(result.trials) - 1 + len(result.baseline)  # one line per compile
+    assert result.key == TableKey("v5e", "bfloat16", True, 128, 1024, 1024)
+
+
+def test_a_toolchain_that_cannot_estimate_still_raises(monkeypatch):
+    monkeypatch.setattr(estimate, "supports_static_profile", lambda: False)
+    with pytest.raises(estimate.LibtpuTooOldError):
+        tuning.estimate_trial("pallas", block_q=256, block_k=256, seq=256)
+
+
+def test_a_refused_configuration_is_an_outcome():
+    trial = tuning.estimate_trial("pallas", block_q=2048, block_k=2048, seq=2048, topology="v5e:1x1")
+    assert trial.status == "refused" and "16 MiB scoped limit" in trial.note and trial.cycles is None
+
+
+def test_results_survive_json(monkeypatch):
+    monkeypatch.setattr(estimate, "estimate_attention", _fake_estimate)
+    result = tuning.tune(512, head_dim=64, topology="v6e:1x1", baseline=[(512, 512, 512)])
+    data = json.loads(json.dumps(result.to_json()))
+    assert TuningResult.from_json(data) == result
+    assert data["best"] == {"block_q": 512, "block_k": 512, "cycles": result.best.cycles}
+    assert data["vs_jax_flash"] == round(result.best.cycles / result.baseline_best.cycles, 3)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The committed table
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_the_committed_table_loads_and_says_where_it_came_from():
+    data = json.loads(tuning.TABLE_PATH.read_text())
+    assert data["complete"] and data["libtpu"] and data["date"] and data["machine"] and data["kernel_source"]
+    table = tuning.load_tuned_table()
+    assert len(table) == len(data["entries"]) >= 24
+    for key, entry in table.items():
+        assert key.generation in GENERATIONS and entry.key == key
+        assert {t.status for t in entry.trials} <= set(tuning.STATUSES)
+        assert all(t.cycles > 0 for t in entry.trials + entry.baseline if t.ok)
+    grid = {(k.generation, k.head_dim, k.causal, k.q_len) for k in table}
+    assert grid >= {(g, d, c, n) for g in GENERATIONS for d in (64, 128) for c in (False, True)
+                    for n in (1024, 2048, 4096)}
+
+
+def _tuned_configs() -> list[tuple[TableKey, BlockSizes]]:
+    table = tuning.load_tuned_table()
+    return [(key, entry.best_block_sizes) for key, entry in table.items() if entry.best is not None]
+
+
+def test_every_tuned_configuration_validates():
+    configs = _tuned_configs()
+    assert configs
+    for key, sizes in configs:
+        sizes.fit(key.q_len, key.kv_len, key.dtype).validate(key.dtype, key.head_dim)
+
+
+@pytest.mark.tpu
+def test_every_tuned_configuration_compiles_for_its_target():
+    """Each distinct tuned configuration, at the shortest length that holds one block, on one head."""
+    distinct = {(k.generation, k.dtype, k.causal, k.head_dim, s.block_q, s.block_k): s for k, s in _tuned_configs()}
+    for (generation, dtype, causal, head_dim, block_q, block_k), sizes in sorted(distinct.items()):
+        seq = max(block_q, block_k)
+        q = jax.ShapeDtypeStruct((1, 1, seq, head_dim), jnp.dtype(dtype))
+
+        def fn(q, k, v, causal=causal, sizes=sizes):
+            return flashlib.attention(q, k, v, causal=causal, impl="pallas", interpret=False, block_sizes=sizes)
+
+        check = compile_for_tpu(fn, q, q, q, topology=hardware.CHIPS[generation].topology)
+        assert check.ok, f"{generation} {dtype} causal={causal} d={head_dim} q{block_q}/k{block_k}: {check.summary}"
+
+
+def test_a_missing_table_is_empty(tmp_path):
+    assert tuning.load_tuned_table(tmp_path / "absent.json") == {}
+
+
+# ---------------------------------------------------------------------------------------------------
+# lookup: the nearest-entry rule
+# ---------------------------------------------------------------------------------------------------
+
+
+def _entry(n: int, best: tuple[int, int] | None, *, generation="v6e", causal=False, head_dim=128) -> TuningResult:
+    trials = (Trial("pallas", 256, 256, "ok", cycles=10_000),)
+    if best is not None:
+        trials += (Trial("pallas", *best, "ok", cycles=1_000),)
+    else:
+        trials = (Trial("pallas", 256, 256, "profiler_crash"),)
+    return TuningResult(f"{generation}:1x1", "bfloat16", causal, 1, 8, n, n, head_dim, 1.0, trials)
+
+
+TABLE = {e.key: e for e in (
+    _entry(1024, (512, 1024)), _entry(2048, (1024, 512)), _entry(4096, None),  # 4096: every candidate crashed
+    _entry(2048, (256, 512), causal=True), _entry(2048, (512, 256), head_dim=64),
+    _entry(2048, (1024, 1024), generation="v5e"),
+)}
+
+
+@pytest.mark.parametrize(
+    ("q_len", "kv_len", "head_dim", "causal", "generation", "expected"),
+    [
+        (2048, 2048, 128, False, "v6e", (1024, 512)),  # exact entry
+        (3000, 3000, 128, False, "v6e", (1024, 512)),  # the largest tuned length below
+        (8192, 8192, 128, False, "v6e", (1024, 512)),  # 4096 has no best: the next one down
+        (1500, 1500, 128, False, "v6e", (512, 1024)),
+        (300, 300, 128, False, "v6e", (304, 384)),  # shorter than every entry: the shortest, clamped by fit
+        (16, 4096, 128, False, "v6e", (16, 512)),  # q_len != kv_len: the length is the longer one
+        (2048, 2048, 64, False, "v6e", (512, 256)),  # its own head_dim when tuned
+        (2048, 2048, 96, False, "v6e", (1024, 512)),  # else the smallest tuned head_dim above it
+        (2048, 2048, 256, False, "v6e", None),  # no tuned head_dim that large
+        (2048, 2048, 128, True, "v6e", (256, 512)),  # causality must match
+        (2048, 2048, 128, True, "v5e", None),
+        (2048, 2048, 128, False, "v5e", None),  # the entry's blocks no longer fit the v5e budget: refused
+    ],
+)
+def test_lookup_rule(q_len, kv_len, head_dim, causal, generation, expected):
+    sizes = tuning.lookup(q_len, kv_len, head_dim, "bfloat16", causal, generation, table=TABLE)
+    assert (None if sizes is None else (sizes.block_q, sizes.block_k)) == expected
+    if sizes is not None:
+        assert sizes.generation == generation
+        sizes.validate("bfloat16", head_dim)
+
+
+def test_lookup_in_the_committed_table_returns_its_best():
+    table = tuning.load_tuned_table()
+    key, entry = next((k, e) for k, e in table.items() if e.best is not None)
+    sizes = tuning.lookup(key.q_len, key.kv_len, key.head_dim, key.dtype, key.causal, key.generation)
+    assert sizes == entry.best_block_sizes
+    assert tuning.lookup(key.q_len, key.kv_len, key.head_dim, "float32", key.causal, key.generation) is None
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tqdm") is not None, reason="tqdm draws its own bar")
+def test_progress_says_which_item_runs():
+    out = io.StringIO()
+    assert list(tuning.progress(["a", "b"], describe=str.upper, file=out)) == ["a", "b"]
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("[1/2 ") and lines[1].endswith("B")
