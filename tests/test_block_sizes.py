@@ -8,8 +8,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from flashlib import tuning
 from flashlib.kernels import BlockSizes, tpu_backward, tpu_forward
-from flashlib.kernels.block_sizes import GENERATIONS, MIB, vmem_limit_bytes
+from flashlib.kernels.block_sizes import _PREFERRED_BLOCKS, GENERATIONS, MIB, vmem_limit_bytes
 from flashlib.tpu_compile import compile_for_tpu
 
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -130,7 +131,7 @@ def test_derived_backward_sizes_fit(generation, dtype, head_dim):
 
 
 def test_backward_sizes_start_from_the_forward_and_clamp_to_the_sequence():
-    sizes = BlockSizes.default(4096, 4096, 128, BF16, generation="v6e").for_backward(4096, 4096, 128, BF16)
+    sizes = BlockSizes(1024, 512, generation="v6e").for_backward(4096, 4096, 128, BF16)
     assert sizes.blocks("dkv") == sizes.blocks("dq") == (1024, 512)
     short = BlockSizes.default(37, 300, 64, BF16).for_backward(37, 300, 64, BF16)
     assert short.blocks("forward") == (48, 384)
@@ -144,9 +145,21 @@ def _blocks(sizes: BlockSizes) -> tuple[int, int]:
     return sizes.block_q, sizes.block_k
 
 
-def test_defaults_per_generation():
-    assert _blocks(BlockSizes.default(4096, 4096, 128, BF16, generation="v5e")) == (512, 512)
-    assert _blocks(BlockSizes.default(4096, 4096, 128, BF16, generation="v6e")) == (1024, 512)
+@pytest.mark.parametrize("generation", GENERATIONS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_defaults_come_from_the_tuned_table(generation, causal):
+    tuned = tuning.lookup(4096, 4096, 128, BF16, causal, generation)
+    default = BlockSizes.default(4096, 4096, 128, BF16, generation=generation, causal=causal)
+    if tuned is None:  # every candidate crashed libtpu's profiler: the generation's preferred blocks
+        assert _blocks(default) == _PREFERRED_BLOCKS[generation]
+    else:
+        assert _blocks(default) == _blocks(tuned)
+
+
+def test_defaults_without_a_tuned_entry_are_the_generations_preferred_blocks():
+    # The table is tuned for bfloat16 only.
+    assert _blocks(BlockSizes.default(4096, 4096, 128, F32, generation="v5e")) == (512, 512)
+    assert _blocks(BlockSizes.default(4096, 4096, 128, F32, generation="v6e")) == (1024, 512)
 
 
 def test_defaults_never_exceed_the_padded_sequence():

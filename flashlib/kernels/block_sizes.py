@@ -157,12 +157,19 @@ class BlockSizes:
             vmem_limit_bytes(self.generation)  # raises for an unknown generation
 
     @classmethod
-    def default(cls, q_len: int, kv_len: int, head_dim: int, dtype, generation: str | None = None) -> BlockSizes:
-        """Good sizes for ``generation``: its preferred blocks, clamped to the (padded) sequence lengths and
-        halved while they would overflow its VMEM budget."""
+    def default(cls, q_len: int, kv_len: int, head_dim: int, dtype, generation: str | None = None,
+                causal: bool = False) -> BlockSizes:
+        """Good sizes for ``generation``: the tuned table's choice for the nearest tuned shape
+        (:func:`flashlib.tuning.lookup`, picked by the TPU compiler's cycle estimate), else the generation's
+        preferred blocks; clamped to the (padded) sequence lengths and halved while they would overflow
+        its VMEM budget."""
+        from flashlib import tuning  # here, not at the top: tuning imports this module
+
         generation = current_generation() if generation is None else generation
         limit = vmem_limit_bytes(generation)  # also rejects an unknown generation
-        sizes = cls(*_PREFERRED_BLOCKS[generation], generation=generation).fit(q_len, kv_len, dtype)
+        tuned = tuning.lookup(q_len, kv_len, head_dim, dtype, causal, generation)
+        preferred = tuned.blocks() if tuned is not None else _PREFERRED_BLOCKS[generation]
+        sizes = cls(*preferred, generation=generation).fit(q_len, kv_len, dtype)
         return sizes.shrunk_to(limit, head_dim, dtype)
 
     def fit(self, q_len: int, kv_len: int, dtype) -> BlockSizes:

@@ -352,7 +352,8 @@ def flash_attention_backward(
         is folded into ``D``).
     """
     shape = validate_inputs(q, k, v, scale=scale)
-    sizes = resolve_block_sizes(shape, block_sizes).for_backward(shape.q_len, shape.kv_len, shape.head_dim, shape.dtype)
+    sizes = resolve_block_sizes(shape, block_sizes, causal)
+    sizes = sizes.for_backward(shape.q_len, shape.kv_len, shape.head_dim, shape.dtype)
     scale = default_scale(shape.head_dim) if scale is None else float(scale)
     interpret = env.interpret_default() if interpret is None else interpret
     return backward(q, k, v, out, lse, do, dlse, causal=bool(causal), scale=scale, sizes=sizes, interpret=interpret)

@@ -125,11 +125,11 @@ def _forward_kernel(
             lse_ref[...] = m_ref[...] + jnp.log(l)  # [block_q, 128]   log(0) = -inf for a row that saw no key
 
 
-def resolve_block_sizes(shape: AttentionShape, block_sizes: BlockSizes | None) -> BlockSizes:
+def resolve_block_sizes(shape: AttentionShape, block_sizes: BlockSizes | None, causal: bool = False) -> BlockSizes:
     """The block sizes the kernel will run for ``shape``: the default, or ``block_sizes`` clamped to the
     sequence lengths (:meth:`BlockSizes.fit`), checked against the dtype's tiling rule and the VMEM budget."""
     if block_sizes is None:
-        return BlockSizes.default(shape.q_len, shape.kv_len, shape.head_dim, shape.dtype)
+        return BlockSizes.default(shape.q_len, shape.kv_len, shape.head_dim, shape.dtype, causal=causal)
     if not isinstance(block_sizes, BlockSizes):
         raise ValueError(
             f"block_sizes must be a flashlib.kernels.BlockSizes or None, got {type(block_sizes).__name__}; "
@@ -182,7 +182,7 @@ def flash_attention_forward(
     with the backward kernels so that ``jax.grad`` works.
     """
     shape = validate_inputs(q, k, v, scale=scale)
-    sizes = resolve_block_sizes(shape, block_sizes)
+    sizes = resolve_block_sizes(shape, block_sizes, causal)
     scale = default_scale(shape.head_dim) if scale is None else float(scale)
     interpret = env.interpret_default() if interpret is None else interpret
     return _forward(q, k, v, causal=bool(causal), scale=scale, sizes=sizes, interpret=interpret, return_lse=return_lse)
