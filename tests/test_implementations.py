@@ -92,3 +92,28 @@ def test_reference_gradients_match_finite_differences():
 
     check_grads(lambda q, k, v: flashlib.attention(q, k, v, causal=True, impl="reference"), (q, k, v),
                 order=1, modes=("rev",), atol=2e-2, rtol=2e-2, eps=1e-3)
+
+
+grad_shapes = st.fixed_dictionaries(
+    {
+        "batch": st.integers(1, 2),
+        "heads": st.integers(1, 2),
+        "q_len": st.integers(1, 256),
+        "kv_len": st.integers(1, 256),
+        "head_dim": st.sampled_from([32, 64, 128]),
+        "dtype": st.sampled_from([jnp.float32, jnp.bfloat16]),
+        "causal": st.booleans(),
+        "seed": st.integers(0, 2**16),
+    }
+)
+
+
+@pytest.mark.parametrize("impl", FAST_IMPLS)
+@given(case=grad_shapes)
+def test_gradients_match_oracle(impl, case):
+    """The VJP for a random output cotangent, against float64, by FlashAttention's rule for gradients."""
+    causal = case.pop("causal")
+    q, k, v = make_qkv(**case)
+    do = jax.random.normal(jax.random.key(case["seed"] + 1), q.shape, jnp.float32).astype(q.dtype)
+    _, vjp = jax.vjp(lambda q, k, v: flashlib.attention(q, k, v, causal=causal, impl=impl), q, k, v)
+    checks.check_attention_grads(vjp(do), q, k, v, do, causal=causal, name=impl, quiet=True)
