@@ -3,6 +3,7 @@ geometry and cost of the dK/dV and dQ grids, lowering and AOT compiles of ``jax.
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import jax
@@ -24,7 +25,7 @@ F32, BF16 = jnp.float32, jnp.bfloat16
 TOPOLOGIES = ["v5e:1x1", "v6e:1x1"]
 
 
-def backward_sizes(block_q, block_k, dkv=(128, 64), dq=(128, 128)) -> BlockSizes:
+def backward_sizes(block_q, block_k, dkv=(128, 128), dq=(128, 128)) -> BlockSizes:
     """Small forward and backward blocks, so short sequences still span several blocks of each kernel."""
     return BlockSizes(block_q, block_k, block_q_dkv=dkv[0], block_k_dkv=dkv[1], block_q_dq=dq[0], block_k_dq=dq[1])
 
@@ -45,7 +46,8 @@ def cotangent(q, seed: int = 9):
 CASES = [  # q_len, kv_len, head_dim, dtype, causal, block sizes
     (1, 1, 32, F32, False, None),  # one token: one padded block in each kernel
     (37, 37, 64, F32, True, None),  # odd length, default blocks clamped to the sequence
-    (300, 300, 64, BF16, True, backward_sizes(64, 128)),  # skipped, straddling and padded blocks in both kernels
+    (300, 300, 64, BF16, True, backward_sizes(64, 128)),  # skipped, straddling, padded blocks; fused dQ
+    (300, 300, 64, BF16, True, backward_sizes(64, 128, dkv=(128, 64))),  # the same in the separate dQ kernel
     (37, 300, 64, F32, True, backward_sizes(16, 128, dkv=(128, 32))),  # q_len < kv_len: diagonal shifted right
     (300, 37, 32, BF16, True, backward_sizes(32, 128, dkv=(128, 16))),  # q_len > kv_len: 263 rows see no key
     (130, 520, 64, BF16, False, backward_sizes(128, 256, dkv=(256, 128), dq=(128, 256))),  # padding, lcm of blocks
@@ -71,6 +73,35 @@ def test_custom_scale_batch_and_the_direct_backward():
     direct = flash_attention_backward(q, k, v, out, lse, do, causal=True, scale=0.3, block_sizes=sizes)
     for a, b in zip(direct, grads, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fused_and_separate_dq_kernels_agree(causal):
+    """The fused kernel (dQ^T accumulated beside dK, dV) and the separate dQ kernel: both within the oracle's
+    rule, and the same dK, dV (one kernel computes them both ways); padded queries and keys on both sides."""
+    q, k, v = make_qkv(q_len=200, kv_len=300, head_dim=64, dtype=BF16)
+    do, sizes = cotangent(q), backward_sizes(64, 128, dkv=(128, 128))
+    out, lse = flashlib.kernels.flash_attention_forward(q, k, v, causal=causal, return_lse=True)
+    grads = {fuse: flash_attention_backward(q, k, v, out, lse, do, causal=causal, block_sizes=sizes, fuse_dq=fuse)
+             for fuse in (True, False)}
+    for fused_or_not in grads.values():
+        check_attention_grads(fused_or_not, q, k, v, do, causal=causal, quiet=True)
+    for a, b in zip(grads[True][1:], grads[False][1:], strict=True):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_allclose(grads[True][0].astype(F32), grads[False][0].astype(F32), rtol=2e-2, atol=2e-2)
+
+
+def test_fused_dq_is_chosen_by_size_and_checked():
+    sizes = backward_sizes(64, 128, dkv=(128, 128)).for_backward(256, 256, 64, BF16)
+    assert tpu_backward._fuses_dq(sizes, 256, 256, 64, None)
+    assert not tpu_backward._fuses_dq(sizes, 256, 256, 64, False)
+    long_q = tpu_backward.FUSED_DQ_MAX_BYTES // (4 * 64) + 1  # one query more than the dQ^T budget holds
+    assert not tpu_backward._fuses_dq(sizes, long_q, 256, 64, None)
+    narrow = backward_sizes(64, 128, dkv=(128, 64)).for_backward(256, 256, 64, BF16)
+    assert not tpu_backward._fuses_dq(narrow, 256, 256, 64, None)  # k^T blocks of 64 keys are not whole lanes
+    q, k, v = make_qkv(q_len=256, head_dim=64)
+    with pytest.raises(ValueError, match="fuse_dq=True needs block_k_dkv to be a multiple of 128"):
+        flash_attention_backward(q, k, v, q, q[..., 0], q, block_sizes=narrow, fuse_dq=True)
 
 
 def test_finite_differences():
@@ -290,7 +321,7 @@ def test_grad_compiles_for_tpu(config, topology):
 
 
 @pytest.mark.tpu
-@pytest.mark.parametrize("kernel", cost.BACKWARD_KERNELS)
+@pytest.mark.parametrize("kernel", [*cost.BACKWARD_KERNELS, "fused"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_cost_estimate_reaches_the_compiler(kernel, causal):
     """XLA reports each backward kernel's pl.CostEstimate, which flashlib.cost computes."""
@@ -298,7 +329,8 @@ def test_cost_estimate_reaches_the_compiler(kernel, causal):
     sizes = BlockSizes(256, 512, block_q_dkv=512, block_k_dkv=256, block_q_dq=256, block_k_dq=512)
     q, kv, _ = _structs(batch, heads, n, n, head_dim, BF16)
     rows = jax.ShapeDtypeStruct((batch, heads, 8, n), jnp.float32)
-    call = tpu_backward._dkv if kernel == "dkv" else tpu_backward._dq
+    call = functools.partial(tpu_backward._dkv, with_dq=True) if kernel == "fused" else (
+        tpu_backward._dkv if kernel == "dkv" else tpu_backward._dq)
 
     def run(q, k, v, do, lse_rows, d_rows):
         return call(q, k, v, do, lse_rows, d_rows, causal=causal, scale=0.1, q_len=n, kv_len=n, sizes=sizes,
@@ -307,5 +339,12 @@ def test_cost_estimate_reaches_the_compiler(kernel, causal):
     check = compile_for_tpu(run, q, kv, kv, q, rows, rows)
     assert check.ok, check.compiler_message
     dims = (batch, heads, n, n, head_dim, causal)
+    if kernel == "fused":  # dK/dV's four matmuls and dQ^T's one over the same blocks; k^T read, dQ^T written
+        dkv_flops = cost.attention_backward_flops(*dims, block_sizes=sizes, kernel="dkv")
+        dkv_bytes = cost.attention_backward_bytes(*dims, BF16, block_sizes=sizes, kernel="dkv")
+        assert check.flops == dkv_flops * 5 // 4
+        # the program also holds the XLA transpose making k^T, whose bytes XLA counts too
+        assert check.bytes_accessed >= dkv_bytes + 2 * batch * heads * n * head_dim * 2
+        return
     assert check.flops == cost.attention_backward_flops(*dims, block_sizes=sizes, kernel=kernel)
     assert check.bytes_accessed == cost.attention_backward_bytes(*dims, BF16, block_sizes=sizes, kernel=kernel)

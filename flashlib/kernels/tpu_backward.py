@@ -19,8 +19,11 @@ Two kernels, so that every output block has one owner that accumulates it in f32
   once per query block (one transpose), so the body broadcasts them as the forward broadcasts ``m``, ``l``.
 
 The price of one owner per output: both kernels recompute ``s`` and ``dP``, 7 matmuls per score where the
-algorithm needs 5 (:mod:`flashlib.cost`); the alternative, one kernel adding dQ contributions from every
-key block, needs atomics or a ``[q_len, head_dim]`` f32 accumulator shared across grid steps.
+algorithm needs 5 (:mod:`flashlib.cost`). So while it fits, the dK/dV kernel does dQ too (**fused**, the
+default up to :data:`FUSED_DQ_MAX_BYTES`): it keeps a whole head's ``dQ^T [head_dim, q_len]`` f32 in VMEM
+(1 MiB at 2048 tokens, head_dim 128) across the key blocks and adds ``dQ^T[:, q block] += k^T dS^T``: a
+plain matmul of ``k^T`` (transposed once, in HBM) and the ``dS^T`` tile already in hand. It writes each query
+block of dQ^T on the last key block. 5 matmuls per score; the key axis turns sequential ("arbitrary").
 
 Both run the forward's three kinds of block: causal blocks above the diagonal are skipped (a ``pl.when``
 on the program ids, and an index map clamped so the skipped steps fetch nothing new), blocks straddling
@@ -34,6 +37,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -44,16 +48,28 @@ from jax.experimental.pallas import tpu as pltpu
 from flashlib import cost, env
 from flashlib.api import validate_inputs
 from flashlib.blockwise import pad_to_multiple
-from flashlib.kernels.block_sizes import MASK_VALUE, NUM_LANES, NUM_SUBLANES, BlockSizes
+from flashlib.kernels.block_sizes import (
+    MASK_VALUE,
+    MIB,
+    NUM_LANES,
+    NUM_SUBLANES,
+    BlockSizes,
+    round_up,
+    vmem_limit_bytes,
+)
 from flashlib.kernels.tpu_forward import NT_DIMS, _lanes_to, resolve_block_sizes
 from flashlib.reference import causal_visible, default_scale
 
-__all__ = ["NO_KEY_LSE", "flash_attention_backward"]
+__all__ = ["FUSED_DQ_MAX_BYTES", "NO_KEY_LSE", "flash_attention_backward"]
 
 # The lse given to padded query rows and to rows that see no key: exp(s - NO_KEY_LSE) is 0 for every score
 # s, masked (MASK_VALUE) or not, so such a row adds nothing to dK, dV and gets dQ = 0. Finite, like MASK_VALUE.
 NO_KEY_LSE = -MASK_VALUE
 PARALLEL, ARBITRARY = "parallel", "arbitrary"
+# The largest dQ^T accumulator ([head_dim, q_len] f32) the fused kernel keeps in VMEM: 4 MiB is 8192 queries
+# at head_dim 128; longer sequences run the separate dQ kernel. The fused kernel asks the compiler for this
+# VMEM (and its k^T and dQ^T blocks) on top of the dK/dV kernel's checked budget; v5e and v6e have 128 MiB.
+FUSED_DQ_MAX_BYTES = 4 * MIB
 
 
 def _sublanes_to(rows: jax.Array, height: int) -> jax.Array:
@@ -85,16 +101,22 @@ def _visit_block(body: Callable[[bool], None], q_block, kv_block, *, may_mask: b
         body(False)
 
 
-def _visible(q_pos: jax.Array, kv_pos: jax.Array, *, q_len: int, kv_len: int, causal: bool) -> jax.Array:
-    """The element mask of a block: the key is real (not padding) and, if causal, not in the query's future."""
-    visible = kv_pos < kv_len
+def _mask_scores(scores: jax.Array, q_start, kv_start, *, keys_on_rows: bool, q_len: int, kv_len: int,
+                 causal: bool) -> jax.Array:
+    """``scores`` with every invisible element set to ``MASK_VALUE``: a padded key or (causal) a key in the
+    query's future. ``keys_on_rows``: the tile is transposed, ``[block_k, block_q]`` (else ``[block_q,
+    block_k]``); ``q_start``, ``kv_start``: the positions of its first query and its first key."""
+    q_axis, kv_axis = (1, 0) if keys_on_rows else (0, 1)
+    q_pos = q_start + lax.broadcasted_iota(jnp.int32, scores.shape, q_axis)  # like scores
+    kv_pos = kv_start + lax.broadcasted_iota(jnp.int32, scores.shape, kv_axis)  # like scores
+    visible = kv_pos < kv_len  # like scores
     if causal:
         visible &= causal_visible(q_pos, kv_pos, q_len=q_len, kv_len=kv_len)
-    return visible
+    return jnp.where(visible, scores, MASK_VALUE)
 
 
 # ---------------------------------------------------------------------------------------------------
-# dK and dV: one key block per (batch, head, kv block), query blocks streaming past
+# dK and dV (and, fused, dQ): one key block per (batch, head, kv block), query blocks streaming past
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -105,40 +127,50 @@ def _dkv_kernel(
     do_ref,  # [block_q, head_dim]
     lse_ref,  # [8, block_q] f32, sublane-replicated
     d_ref,  # [8, block_q] f32, sublane-replicated
-    dk_ref,  # out [block_k, head_dim]
-    dv_ref,  # out [block_k, head_dim]
-    dk_acc_ref,  # scratch [block_k, head_dim] f32
-    dv_acc_ref,  # scratch [block_k, head_dim] f32
-    *,
+    *refs,  # with_dq: k_t_ref, dk_ref, dv_ref, dq_t_ref, dk_acc_ref, dv_acc_ref, dq_t_acc_ref; else no k_t, dq_t*
     causal: bool,
     scale: float,
     q_len: int,
     kv_len: int,
     has_padding: bool,
+    with_dq: bool,
 ):
+    # k_t_ref [head_dim, block_k] (k^T); dk_ref, dv_ref: out [block_k, head_dim]; dq_t_ref: out [head_dim,
+    # block_q]; dk_acc_ref, dv_acc_ref: scratch [block_k, head_dim] f32; dq_t_acc_ref: scratch [head_dim, Tq] f32
+    if with_dq:
+        k_t_ref, dk_ref, dv_ref, dq_t_ref, dk_acc_ref, dv_acc_ref, dq_t_acc_ref = refs
+    else:
+        (dk_ref, dv_ref, dk_acc_ref, dv_acc_ref), k_t_ref = refs, None
     block_q, block_k = q_ref.shape[0], k_ref.shape[0]
     kv_block, q_block = pl.program_id(2), pl.program_id(3)
     geometry = dict(block_q=block_q, block_k=block_k, q_len=q_len, kv_len=kv_len, causal=causal)
+    q_columns = pl.ds(pl.multiple_of(q_block * block_q, block_q), block_q)  # this query block in dQ^T
 
     @pl.when(q_block == 0)
     def init():
         dk_acc_ref[...] = jnp.zeros(dk_acc_ref.shape, jnp.float32)  # [block_k, head_dim]
         dv_acc_ref[...] = jnp.zeros(dv_acc_ref.shape, jnp.float32)  # [block_k, head_dim]
 
+    if with_dq:
+
+        @pl.when(kv_block == 0)
+        def init_dq():
+            dq_t_acc_ref[:, q_columns] = jnp.zeros((k_t_ref.shape[0], block_q), jnp.float32)  # [head_dim, block_q]
+
     def body(masked: bool):
         q, k, do = q_ref[...], k_ref[...], do_ref[...]  # [block_q, d], [block_k, d], [block_q, d]
         s_t = lax.dot_general(k, q, NT_DIMS, preferred_element_type=jnp.float32) * scale  # [block_k, block_q]
         if masked:
-            shape = (block_k, block_q)
-            kv_pos = kv_block * block_k + lax.broadcasted_iota(jnp.int32, shape, 0)  # [block_k, block_q]
-            q_pos = q_block * block_q + lax.broadcasted_iota(jnp.int32, shape, 1)  # [block_k, block_q]
-            visible = _visible(q_pos, kv_pos, q_len=q_len, kv_len=kv_len, causal=causal)  # [block_k, block_q]
-            s_t = jnp.where(visible, s_t, MASK_VALUE)  # [block_k, block_q]
+            s_t = _mask_scores(s_t, q_block * block_q, kv_block * block_k, keys_on_rows=True, q_len=q_len,
+                               kv_len=kv_len, causal=causal)  # [block_k, block_q]
         p_t = jnp.exp(s_t - _sublanes_to(lse_ref[...], block_k))  # [block_k, block_q]   0 where masked
         dv_acc_ref[...] += jnp.dot(p_t.astype(do.dtype), do, preferred_element_type=jnp.float32)  # [block_k, d]
         dp_t = lax.dot_general(v_ref[...], do, NT_DIMS, preferred_element_type=jnp.float32)  # [block_k, block_q]
-        ds_t = p_t * (dp_t - _sublanes_to(d_ref[...], block_k))  # [block_k, block_q]
-        dk_acc_ref[...] += jnp.dot(ds_t.astype(q.dtype), q, preferred_element_type=jnp.float32)  # [block_k, d]
+        ds_t = (p_t * (dp_t - _sublanes_to(d_ref[...], block_k))).astype(q.dtype)  # [block_k, block_q]
+        dk_acc_ref[...] += jnp.dot(ds_t, q, preferred_element_type=jnp.float32)  # [block_k, d]
+        if with_dq:  # dQ^T += k^T dS^T: no transpose in the kernel
+            dq_t = jnp.dot(k_t_ref[...], ds_t, preferred_element_type=jnp.float32)  # [d, block_q]
+            dq_t_acc_ref[:, q_columns] += dq_t
 
     _visit_block(body, q_block, kv_block, may_mask=causal or has_padding, geometry=geometry)
 
@@ -147,10 +179,17 @@ def _dkv_kernel(
         dk_ref[...] = (dk_acc_ref[...] * scale).astype(dk_ref.dtype)  # [block_k, head_dim]   scale once, here
         dv_ref[...] = dv_acc_ref[...].astype(dv_ref.dtype)  # [block_k, head_dim]
 
+    if with_dq:
+
+        @pl.when(kv_block == pl.num_programs(2) - 1)
+        def finalize_dq():
+            dq_t_ref[...] = (dq_t_acc_ref[:, q_columns] * scale).astype(dq_t_ref.dtype)  # [head_dim, block_q]
+
 
 def _dkv(q, k, v, do, lse_rows, d_rows, *, causal: bool, scale: float, q_len: int, kv_len: int,
-         sizes: BlockSizes, interpret) -> tuple[jax.Array, jax.Array]:
-    """dK, dV ``[b, h, num_kv_blocks * block_k, d]`` from padded inputs (rows past ``kv_len``: padding)."""
+         sizes: BlockSizes, interpret, with_dq: bool = False) -> tuple[jax.Array, ...]:
+    """dK, dV ``[b, h, num_kv_blocks * block_k, d]`` from padded inputs (rows past ``kv_len``: padding), and
+    with ``with_dq`` also dQ^T ``[b, h, d, num_q_blocks * block_q]`` (q padded to exactly that length)."""
     batch, heads, _, head_dim = q.shape
     block_q, block_k = sizes.blocks("dkv")
     num_q_blocks, num_kv_blocks = -(-q_len // block_q), -(-kv_len // block_k)
@@ -178,29 +217,79 @@ def _dkv(q, k, v, do, lse_rows, d_rows, *, causal: bool, scale: float, q_len: in
     row_spec = pl.BlockSpec((squeezed, squeezed, NUM_SUBLANES, block_q), row_stat_index_map)
     dkv_shape = (batch, heads, num_kv_blocks * block_k, head_dim)
     dims = (batch, heads, q_len, kv_len, head_dim, causal)
+    inputs: list[Any] = [q, k, v, do, lse_rows, d_rows]
+    in_specs = [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
+    out_specs = [kv_spec, kv_spec]
+    out_shape = [jax.ShapeDtypeStruct(dkv_shape, k.dtype), jax.ShapeDtypeStruct(dkv_shape, v.dtype)]
+    scratch_shapes = [
+        pltpu.VMEM((block_k, head_dim), jnp.float32),  # dK accumulator
+        pltpu.VMEM((block_k, head_dim), jnp.float32),  # dV accumulator
+    ]
+    flops = cost.attention_backward_flops(*dims, block_sizes=sizes, kernel="dkv")
+    bytes_accessed = cost.attention_backward_bytes(*dims, q.dtype, block_sizes=sizes, kernel="dkv")
+    semantics, extra_params = (PARALLEL, PARALLEL, PARALLEL, ARBITRARY), {}
+    if with_dq:
+        def k_t_index_map(b, h, j, i):
+            return b, h, 0, j
+
+        def dq_t_index_map(b, h, j, i):
+            """Query block ``i`` on the last key block, where it is written; block 0 before (no copy out)."""
+            return b, h, 0, jnp.where(j == num_kv_blocks - 1, i, 0)
+
+        q_padded_len = num_q_blocks * block_q
+        inputs.append(jnp.swapaxes(k, 2, 3))  # [b, h, d, Tk]
+        in_specs.append(pl.BlockSpec((squeezed, squeezed, head_dim, block_k), k_t_index_map))
+        out_specs.append(pl.BlockSpec((squeezed, squeezed, head_dim, block_q), dq_t_index_map))
+        out_shape.append(jax.ShapeDtypeStruct((batch, heads, head_dim, q_padded_len), q.dtype))
+        scratch_shapes.append(pltpu.VMEM((head_dim, q_padded_len), jnp.float32))  # dQ^T accumulator, one head
+        semantics = (PARALLEL, PARALLEL, ARBITRARY, ARBITRARY)  # dQ^T sums over the key blocks
+        extra_params["vmem_limit_bytes"] = vmem_limit_bytes(sizes.generation) + _fused_vmem_bytes(
+            q_padded_len, head_dim, block_q, block_k, q.dtype)
+        flops += flops // 4  # one matmul more over the same blocks as dK/dV's four
+        bytes_accessed += (k.size + q.size) // (batch * heads) * batch * heads * q.dtype.itemsize  # k^T, dQ^T
     kernel = functools.partial(
         _dkv_kernel, causal=causal, scale=scale, q_len=q_len, kv_len=kv_len,
-        has_padding=num_kv_blocks * block_k != kv_len,
+        has_padding=num_kv_blocks * block_k != kv_len, with_dq=with_dq,
     )
     return pl.pallas_call(
         kernel,
         grid=(batch, heads, num_kv_blocks, num_q_blocks),
-        in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec],
-        out_specs=[kv_spec, kv_spec],
-        out_shape=[jax.ShapeDtypeStruct(dkv_shape, k.dtype), jax.ShapeDtypeStruct(dkv_shape, v.dtype)],
-        scratch_shapes=[
-            pltpu.VMEM((block_k, head_dim), jnp.float32),  # dK accumulator
-            pltpu.VMEM((block_k, head_dim), jnp.float32),  # dV accumulator
-        ],
-        compiler_params=pltpu.CompilerParams(dimension_semantics=(PARALLEL, PARALLEL, PARALLEL, ARBITRARY)),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        scratch_shapes=scratch_shapes,
+        compiler_params=pltpu.CompilerParams(dimension_semantics=semantics, **extra_params),
         cost_estimate=pl.CostEstimate(
-            flops=cost.attention_backward_flops(*dims, block_sizes=sizes, kernel="dkv"),
+            flops=flops,
             transcendentals=cost.attention_backward_transcendentals(*dims, block_sizes=sizes, kernel="dkv"),
-            bytes_accessed=cost.attention_backward_bytes(*dims, q.dtype, block_sizes=sizes, kernel="dkv"),
+            bytes_accessed=bytes_accessed,
         ),
         interpret=interpret,
-        name="flash_attention_dkv" + ("_causal" if causal else ""),
-    )(q, k, v, do, lse_rows, d_rows)
+        name="flash_attention_dkv" + ("_dq" if with_dq else "") + ("_causal" if causal else ""),
+    )(*inputs)
+
+
+def _fused_vmem_bytes(q_padded_len: int, head_dim: int, block_q: int, block_k: int, dtype) -> int:
+    """VMEM the fused kernel needs beyond the dK/dV kernel's: the dQ^T accumulator, the double-buffered k^T
+    and dQ^T blocks, and one ``[head_dim, block_q]`` f32 matmul result."""
+    rows, itemsize = round_up(head_dim, NUM_SUBLANES), jnp.dtype(dtype).itemsize
+    return rows * (q_padded_len * 4 + 2 * (block_k + block_q) * itemsize + block_q * 4)
+
+
+def _fuses_dq(sizes: BlockSizes, q_len: int, kv_len: int, head_dim: int, fuse_dq: bool | None) -> bool:
+    """Whether the dK/dV kernel does dQ too: asked for, or (None) when its dQ^T accumulator is at most
+    :data:`FUSED_DQ_MAX_BYTES`. k^T puts keys on lanes, so block_k_dkv must be whole lanes or all the keys."""
+    block_q, block_k = sizes.blocks("dkv")
+    fits_lanes = block_k % NUM_LANES == 0 or block_k >= kv_len
+    if fuse_dq is None:
+        return fits_lanes and round_up(head_dim, NUM_SUBLANES) * round_up(q_len, block_q) * 4 <= FUSED_DQ_MAX_BYTES
+    if fuse_dq and not fits_lanes:
+        raise ValueError(
+            f"fuse_dq=True needs block_k_dkv to be a multiple of {NUM_LANES} (k^T puts keys on lanes) or to cover "
+            f"all {kv_len} keys, got block_k_dkv={block_k}; try block_k_dkv={round_up(block_k, NUM_LANES)} "
+            "or fuse_dq=None"
+        )
+    return bool(fuse_dq)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -240,11 +329,8 @@ def _dq_kernel(
         q, k = q_ref[...], k_ref[...]  # [block_q, d], [block_k, d]
         s = lax.dot_general(q, k, NT_DIMS, preferred_element_type=jnp.float32) * scale  # [block_q, block_k]
         if masked:
-            shape = (block_q, block_k)
-            q_pos = q_block * block_q + lax.broadcasted_iota(jnp.int32, shape, 0)  # [block_q, block_k]
-            kv_pos = kv_block * block_k + lax.broadcasted_iota(jnp.int32, shape, 1)  # [block_q, block_k]
-            visible = _visible(q_pos, kv_pos, q_len=q_len, kv_len=kv_len, causal=causal)  # [block_q, block_k]
-            s = jnp.where(visible, s, MASK_VALUE)  # [block_q, block_k]
+            s = _mask_scores(s, q_block * block_q, kv_block * block_k, keys_on_rows=False, q_len=q_len,
+                             kv_len=kv_len, causal=causal)  # [block_q, block_k]
         p = jnp.exp(s - _lanes_to(lse_col_ref[...], block_k))  # [block_q, block_k]   0 where masked
         dp = lax.dot_general(do_ref[...], v_ref[...], NT_DIMS, preferred_element_type=jnp.float32)  # [block_q, block_k]
         ds = p * (dp - _lanes_to(d_col_ref[...], block_k))  # [block_q, block_k]
@@ -337,8 +423,9 @@ def flash_attention_backward(
     block_sizes: BlockSizes | None = None,
     interpret: bool | pltpu.InterpretParams | None = None,
     dlse: jax.Array | None = None,
+    fuse_dq: bool | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The attention VJP by the two Pallas kernels: ``(dq, dk, dv)`` like ``(q, k, v)``.
+    """The attention VJP by the Pallas kernels: ``(dq, dk, dv)`` like ``(q, k, v)``.
 
     Args:
       q, k, v: the forward's inputs; out, lse: its output and row log-sum-exp ``[b, h, q_len]`` f32
@@ -346,39 +433,51 @@ def flash_attention_backward(
       do: the cotangent of ``out``, like ``out``.
       causal, scale: as in the forward.
       block_sizes: None picks the defaults; the backward fields left None are derived
-        (:meth:`BlockSizes.for_backward`).
+        (:meth:`BlockSizes.for_backward`). The fused kernel runs on the dK/dV blocks.
       interpret: as in the forward.
       dlse: the cotangent of ``lse``, if the caller differentiates it too (``dS`` gains ``P * dlse``, so it
         is folded into ``D``).
+      fuse_dq: True: the dK/dV kernel does dQ too (5 matmuls per score, not 7); False: the separate dQ
+        kernel; None: fused while a head's dQ^T fits :data:`FUSED_DQ_MAX_BYTES`.
     """
     shape = validate_inputs(q, k, v, scale=scale)
     sizes = resolve_block_sizes(shape, block_sizes, causal)
     sizes = sizes.for_backward(shape.q_len, shape.kv_len, shape.head_dim, shape.dtype)
+    _fuses_dq(sizes, shape.q_len, shape.kv_len, shape.head_dim, fuse_dq)  # a ValueError now, not when traced
     scale = default_scale(shape.head_dim) if scale is None else float(scale)
     interpret = env.interpret_default() if interpret is None else interpret
-    return backward(q, k, v, out, lse, do, dlse, causal=bool(causal), scale=scale, sizes=sizes, interpret=interpret)
+    return backward(q, k, v, out, lse, do, dlse, causal=bool(causal), scale=scale, sizes=sizes, interpret=interpret,
+                    fuse_dq=fuse_dq)
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "scale", "sizes", "interpret"))
-def backward(q, k, v, out, lse, do, dlse, *, causal: bool, scale: float, sizes: BlockSizes, interpret):
+@functools.partial(jax.jit, static_argnames=("causal", "scale", "sizes", "interpret", "fuse_dq"))
+def backward(q, k, v, out, lse, do, dlse, *, causal: bool, scale: float, sizes: BlockSizes, interpret,
+             fuse_dq: bool | None = None):
     """:func:`flash_attention_backward` on resolved, static settings (what the custom VJP calls)."""
     q_len, kv_len = q.shape[2], k.shape[2]
+    fused = _fuses_dq(sizes, q_len, kv_len, q.shape[3], fuse_dq)
     (block_q_dkv, block_k_dkv), (block_q_dq, block_k_dq) = sizes.blocks("dkv"), sizes.blocks("dq")
     d = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [b, h, q_len]
     if dlse is not None:
         d = d - dlse  # [b, h, q_len]   dS = P * (dP - D) + P * dlse
     lse = jnp.where(jnp.isfinite(lse), lse, NO_KEY_LSE)  # [b, h, q_len]   rows that see no key -> P = 0
 
-    # Pad once to a length both kernels tile; each grid covers only the blocks its own sizes need.
-    q_padded = pad_to_multiple(q, 2, math.lcm(block_q_dkv, block_q_dq))  # [b, h, Tq, d]
-    do_padded = pad_to_multiple(do, 2, math.lcm(block_q_dkv, block_q_dq))  # [b, h, Tq, d]
-    k_padded = pad_to_multiple(k, 2, math.lcm(block_k_dkv, block_k_dq))  # [b, h, Tk, d]
-    v_padded = pad_to_multiple(v, 2, math.lcm(block_k_dkv, block_k_dq))  # [b, h, Tk, d]
+    # Pad once to a length every kernel that runs tiles; each grid covers only the blocks its own sizes need.
+    q_multiple = block_q_dkv if fused else math.lcm(block_q_dkv, block_q_dq)
+    k_multiple = block_k_dkv if fused else math.lcm(block_k_dkv, block_k_dq)
+    q_padded = pad_to_multiple(q, 2, q_multiple)  # [b, h, Tq, d]
+    do_padded = pad_to_multiple(do, 2, q_multiple)  # [b, h, Tq, d]
+    k_padded = pad_to_multiple(k, 2, k_multiple)  # [b, h, Tk, d]
+    v_padded = pad_to_multiple(v, 2, k_multiple)  # [b, h, Tk, d]
     lse_rows = _as_rows(lse, q_padded.shape[2], NO_KEY_LSE)  # [b, h, 8, Tq]
     d_rows = _as_rows(d, q_padded.shape[2], 0.0)  # [b, h, 8, Tq]
 
     inputs = (q_padded, k_padded, v_padded, do_padded, lse_rows, d_rows)
     settings = dict(causal=causal, scale=scale, q_len=q_len, kv_len=kv_len, sizes=sizes, interpret=interpret)
-    dk, dv = _dkv(*inputs, **settings)  # [b, h, nk * block_k_dkv, d] each
-    dq = _dq(*inputs, **settings)  # [b, h, nq * block_q_dq, d]
+    if fused:
+        dk, dv, dq_t = _dkv(*inputs, **settings, with_dq=True)  # [b, h, Tk, d] x 2, [b, h, d, Tq]
+        dq = jnp.swapaxes(dq_t, 2, 3)  # [b, h, Tq, d]
+    else:
+        dk, dv = _dkv(*inputs, **settings)  # [b, h, nk * block_k_dkv, d] each
+        dq = _dq(*inputs, **settings)  # [b, h, nq * block_q_dq, d]
     return dq[:, :, :q_len], dk[:, :, :kv_len], dv[:, :, :kv_len]
