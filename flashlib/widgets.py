@@ -3,23 +3,24 @@
 Thin on purpose: each picture is a plain :mod:`flashlib.viz` function, and a widget only redraws it when the
 step changes. Every function returns the widget (a ``VBox``) without displaying it; the notebook does.
 
-Portable across ipywidgets 7 (Colab) and 8: only ``IntSlider``, ``Play``, ``jslink``, ``HBox``/``VBox`` and
-``interactive_output`` are used. ipywidgets is imported inside the functions, so ``import flashlib`` works
-without it. A notebook rendered without a kernel (on GitHub, say) shows no widgets: pair each explorer with a
-:func:`flashlib.viz.filmstrip` of the same steps.
+Portable across ipywidgets 7 (Colab) and 8: only ``IntSlider``, ``Play``, ``Dropdown``, ``jslink``,
+``HBox``/``VBox`` and ``interactive_output`` are used. ipywidgets is imported inside the functions, so
+``import flashlib`` works without it. A notebook rendered without a kernel (on GitHub, say) shows no widgets:
+pair each explorer with a static picture (:func:`flashlib.viz.filmstrip` of the same steps, or the plot it redraws).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import numpy.typing as npt
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-from flashlib import viz
+from flashlib import perf_plots, viz
+from flashlib.tuning import TableKey, TuningResult
 
-__all__ = ["online_softmax_explorer", "step_through", "tiling_explorer"]
+__all__ = ["block_size_explorer", "online_softmax_explorer", "step_through", "tiling_explorer"]
 
 
 def _show(fig: Figure) -> None:
@@ -106,3 +107,54 @@ def online_softmax_explorer(
         viz.plot_online_softmax_step(scores, block, step, ax=ax, values=values)
 
     return step_through(draw, num_steps, description="block", interval=interval, figsize=figsize)
+
+
+def _entry_summary(entry: TuningResult) -> str:
+    """One line under the heat map: the best blocks and how they compare with JAX's kernel and the MXU floor."""
+    best, base = entry.best, entry.baseline_best
+    if best is None:
+        return "no flashlib estimate for this shape (see the cells: why each candidate has none)"
+    line = (f"best q{best.block_q}/k{best.block_k}: {best.cycles:,} cycles, "
+            f"{best.cycles / entry.mxu_floor:.2f}x MXU floor")
+    if base is not None:
+        line += f"; JAX's best {base.label}: {base.cycles:,} (flashlib/JAX {best.cycles / base.cycles:.2f})"
+    return line
+
+
+def block_size_explorer(table: Mapping[TableKey, TuningResult], *, figsize: tuple[float, float] = (6.8, 4.6)):
+    """Pick a generation, sequence length, head_dim and causality; see every block candidate's static estimate.
+
+    Instant: it only redraws :func:`flashlib.perf_plots.plot_block_cycles` from ``table`` (the committed tuned
+    table, :func:`flashlib.tuning.load_tuned_table`), nothing is compiled. A combination the table lacks says so.
+    """
+    import ipywidgets as widgets
+
+    if not table:
+        raise ValueError("table is empty: pass flashlib.tuning.load_tuned_table(path) with the committed "
+                         "data/tuning/forward_blocks.json (a pip-installed flashlib has no data/)")
+    keys = list(table)
+
+    def choices(field: str) -> list:
+        return sorted({getattr(key, field) for key in keys})
+
+    generation = widgets.Dropdown(options=choices("generation"), description="TPU")
+    seq = widgets.Dropdown(options=choices("q_len"), description="seq")
+    head_dim = widgets.Dropdown(options=choices("head_dim")[::-1], description="head_dim")
+    causal = widgets.Dropdown(options=[("no", False), ("yes", True)], description="causal")
+    dtype = keys[0].dtype
+
+    def redraw(generation: str, seq: int, head_dim: int, causal: bool) -> None:
+        fig = viz.new_figure(figsize)
+        ax = fig.add_subplot()
+        entry = table.get(TableKey(generation, dtype, causal, head_dim, seq, seq))
+        if entry is None:
+            ax.set_axis_off()
+            ax.text(0.5, 0.5, f"{generation} T={seq} d={head_dim} causal={causal}: not in the table", ha="center")
+        else:
+            perf_plots.plot_block_cycles(perf_plots.block_grid(entry), ax=ax)
+            ax.set_xlabel(f"block_k\n{_entry_summary(entry)}", fontsize=8)
+        _show(fig)
+
+    controls = {"generation": generation, "seq": seq, "head_dim": head_dim, "causal": causal}
+    output = widgets.interactive_output(redraw, controls)
+    return widgets.VBox([widgets.HBox([generation, seq]), widgets.HBox([head_dim, causal]), output])

@@ -1,0 +1,432 @@
+"""The pictures of notebook 08 (performance without a TPU), drawn from committed tables, never from live runs.
+
+Every number here is libtpu's *static* cycle estimate (:mod:`flashlib.estimate`): the TPU compiler's model of
+the final program, compiled ahead of time on a CPU machine and never checked against a real TPU. It is good
+for comparing kernels and block sizes, not for predicting wall time, and it prices float32 and bfloat16 almost
+the same. The tables it comes from:
+
+* ``data/tuning/forward_blocks.json`` (:mod:`flashlib.tuning`): every block candidate per shape, with JAX's
+  ``flash_attention`` as the yardstick;
+* ``data/estimates/block_sweep.csv`` and ``seq_sweep.csv`` (``make_perf_lab_estimates.py``): block sizes
+  down to 128, and XLA / flashlib / JAX across sequence lengths, with the compiler's FLOP and byte counts;
+* ``data/optimisation/forward_steps.csv`` and ``backward_steps.csv``: the kernels' optimisation, step by step.
+
+Like :mod:`flashlib.viz`, each ``plot_*`` function takes data and an optional ``ax`` and returns the figure.
+"""
+
+from __future__ import annotations
+
+import csv
+import textwrap
+from collections.abc import Iterable, Mapping, Sequence
+from itertools import cycle
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+from matplotlib.axes import Axes
+from matplotlib.colors import LogNorm
+from matplotlib.figure import Figure
+from matplotlib.patches import Rectangle
+from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator
+
+from flashlib import cost, hardware
+from flashlib.kernels.block_sizes import MIB, BlockSizes, vmem_limit_bytes
+from flashlib.tuning import TuningResult
+from flashlib.viz import PALETTE, SERIES_COLORS, _figure_and_axes
+
+__all__ = [
+    "BlockGrid", "RooflinePoint", "StepCostFit", "block_grid", "fit_step_cost", "group_steps", "plot_block_cycles",
+    "plot_optimisation_steps", "plot_roofline", "plot_seq_sweep", "plot_step_cost", "plot_steps_vs_baseline",
+    "plot_vmem_by_blocks", "read_table", "roofline_points", "select", "steps_table",
+]
+
+Row = dict[str, Any]
+IMPL_COLORS: dict[str, str] = {"xla": SERIES_COLORS[0], "pallas": SERIES_COLORS[1], "jax_flash": SERIES_COLORS[4]}
+IMPL_NAMES: dict[str, str] = {"xla": "XLA (fused)", "pallas": "flashlib (Pallas)", "jax_flash": "JAX flash_attention"}
+STATIC_NOTE = "libtpu's static estimate, compiled ahead of time: not a TPU measurement"
+
+
+def _label(ax: Axes, xlabel: str, ylabel: str, title: str | None) -> Figure:
+    """Axis labels and a title (legends are each plot's own: where they go depends on the data)."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if title:
+        ax.set_title(title, fontsize=10)
+    return ax.figure  # type: ignore[return-value]
+
+
+# -- Reading the tables ----------------------------------------------------------------------------
+
+
+def _value(text: str) -> Any:
+    """A CSV cell as Python: ``''`` -> None, ``'True'``/``'False'`` -> bool, numbers -> int or float."""
+    if text == "":
+        return None
+    if text in ("True", "False"):
+        return text == "True"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def read_table(path: str | Path) -> list[Row]:
+    """The rows of a CSV table (``#`` lines are its provenance and are skipped), cells converted by type.
+
+    A missing file reads as no rows, so a notebook can show what is there while a table is still being made.
+    """
+    path = Path(path)
+    if not path.exists():
+        return []
+    with path.open(newline="") as f:
+        lines = [line for line in f if not line.startswith("#")]
+    return [{key: _value(text) for key, text in row.items()} for row in csv.DictReader(lines)]
+
+
+def select(rows: Iterable[Row], **where: Any) -> list[Row]:
+    """The rows whose columns equal every ``where`` value, e.g. ``select(rows, generation="v5e", seq=2048)``."""
+    return [row for row in rows if all(row.get(key) == value for key, value in where.items())]
+
+
+# -- The roofline ----------------------------------------------------------------------------------
+
+
+class RooflinePoint(NamedTuple):
+    """One implementation on one chip: its arithmetic intensity and the throughput its estimate implies."""
+
+    impl: str
+    seq: int
+    intensity: float  # ideal FLOPs per HBM byte the compiler counted
+    tflops: float  # ideal FLOPs / (estimated cycles / the chip's derived clock), TFLOP/s
+
+
+def roofline_points(rows: Iterable[Row], generation: str, *, batch: int = 1, heads: int = 8, head_dim: int = 128,
+                    causal: bool = False) -> list[RooflinePoint]:
+    """Roofline coordinates of the ``status == "ok"`` rows of ``seq_sweep.csv`` for one ``generation``; the
+    shape defaults are that table's (its header says so).
+
+    The work is the ideal count (:func:`flashlib.cost.attention_flops`: every implementation is credited with
+    the same useful FLOPs); the bytes are the compiler's cost analysis of the same compile (XLA's include the
+    score matrix it writes to HBM and reads back).
+    """
+    chip = hardware.CHIPS[generation]
+    points = []
+    for row in select(rows, generation=generation, status="ok"):
+        flops = cost.attention_flops(batch, heads, row["seq"], row["seq"], head_dim, causal)
+        seconds = row["cycles"] / chip.clock_hz
+        points.append(RooflinePoint(row["impl"], row["seq"], flops / row["hbm_bytes"], flops / seconds / 1e12))
+    return points
+
+
+def plot_roofline(points: Sequence[RooflinePoint], generation: str, ax: Axes | None = None,
+                  title: str | None = None) -> Figure:
+    """Log-log roofline of one chip (peak bf16 FLOP/s, HBM bandwidth, the ridge between) with ``points`` on it.
+
+    Each implementation is one colour; its points are joined in order of sequence length and the longest is
+    labelled with its length, so the eye follows each implementation as the sequence grows.
+    """
+    chip = hardware.CHIPS[generation]
+    fig, ax = _figure_and_axes(ax, (6.5, 4.6))
+    intensities = [p.intensity for p in points] or [chip.ridge_point]
+    x = np.geomspace(min(min(intensities), chip.ridge_point) / 4, max(max(intensities), chip.ridge_point) * 4, 200)
+    ceiling = np.minimum(chip.peak_bf16_flops, chip.hbm_bandwidth * x) / 1e12  # [200] TFLOP/s
+    ax.plot(x, ceiling, color=PALETTE["ink"], lw=2)
+    ax.axvline(chip.ridge_point, color=PALETTE["ink"], ls=":", lw=1)
+    ax.text(chip.ridge_point, chip.peak_bf16_flops / 1e12 * 1.08, f"ridge {chip.ridge_point:.0f} FLOP/B  ·  peak "
+            f"{chip.peak_bf16_flops / 1e12:.0f} TFLOP/s", ha="center", va="bottom", fontsize=8, color=PALETTE["ink"])
+    for impl in dict.fromkeys(p.impl for p in points):
+        mine = sorted((p for p in points if p.impl == impl), key=lambda p: p.seq)
+        color = IMPL_COLORS.get(impl, PALETTE["ink"])
+        ax.plot([p.intensity for p in mine], [p.tflops for p in mine], "o-", color=color, ms=5, lw=1.2,
+                label=IMPL_NAMES.get(impl, impl))
+        ax.annotate(f"T={mine[-1].seq}", (mine[-1].intensity, mine[-1].tflops), textcoords="offset points",
+                    xytext=(4, -10), fontsize=7, color=color)
+    ax.set(xscale="log", yscale="log")
+    ax.set_ylim(top=chip.peak_bf16_flops / 1e12 * 2.2)
+    ax.legend(fontsize=8, loc="lower right")
+    ax.grid(True, which="major", alpha=0.3)
+    return _label(ax, "arithmetic intensity (ideal FLOPs / HBM byte)", "TFLOP/s at the derived clock",
+                   title or f"{generation}: roofline and static estimates")
+
+
+# -- Block sizes -----------------------------------------------------------------------------------
+
+
+class BlockGrid(NamedTuple):
+    """Estimates of one shape over a ``block_q x block_k`` grid of candidates."""
+
+    block_qs: tuple[int, ...]
+    block_ks: tuple[int, ...]
+    cycles: np.ndarray  # [len(block_qs), len(block_ks)], NaN where there is no estimate
+    status: np.ndarray  # [len(block_qs), len(block_ks)] of str: "ok", "refused", "profiler_crash", ... or ""
+    mxu_floor: float
+    title: str
+
+    @property
+    def best(self) -> tuple[int, int] | None:
+        """``(block_q, block_k)`` with the fewest cycles, or None when nothing has an estimate."""
+        if np.isnan(self.cycles).all():
+            return None
+        i, j = np.unravel_index(np.nanargmin(self.cycles), self.cycles.shape)
+        return self.block_qs[i], self.block_ks[j]
+
+
+def block_grid(source: TuningResult | Iterable[Row], generation: str | None = None) -> BlockGrid:
+    """A :class:`BlockGrid` from a tuned-table entry (its flashlib trials), or from ``block_sweep.csv`` rows
+    of one ``generation``."""
+    if isinstance(source, TuningResult):
+        trials = [(t.block_q, t.block_k, t.status, t.cycles) for t in source.trials]
+        floor, shape = source.mxu_floor, f"T={source.q_len} d={source.head_dim}" + (" causal" if source.causal else "")
+        title = f"{source.generation} {shape}"
+    else:
+        if generation is None:
+            raise ValueError("block_grid(rows) needs generation=, e.g. block_grid(rows, generation='v5e')")
+        rows = select(source, generation=generation)
+        trials = [(r["block_q"], r["block_k"], r["status"], r["cycles"]) for r in rows]
+        floor = next((r["mxu_floor"] for r in rows if r["mxu_floor"]), float("nan"))
+        title = f"{generation} T={rows[0]['seq']}" if rows else generation
+    block_qs = tuple(sorted({t[0] for t in trials}))
+    block_ks = tuple(sorted({t[1] for t in trials}))
+    cycles = np.full((len(block_qs), len(block_ks)), np.nan)  # [nq, nk]
+    status = np.full((len(block_qs), len(block_ks)), "", dtype=object)  # [nq, nk]
+    for block_q, block_k, outcome, value in trials:
+        i, j = block_qs.index(block_q), block_ks.index(block_k)
+        status[i, j] = outcome
+        if outcome == "ok":
+            cycles[i, j] = value
+    return BlockGrid(block_qs, block_ks, cycles, status, floor, title)
+
+
+_STATUS_LABELS = {"refused": "refused\n(VMEM)", "profiler_crash": "profiler\ncrash", "compile_error": "compile\nerror"}
+
+
+def plot_block_cycles(grid: BlockGrid, ax: Axes | None = None, title: str | None = None) -> Figure:
+    """Heat map of estimated cycles over ``block_q`` (rows) x ``block_k`` (columns), each cell labelled with
+    its cycles and its multiple of the best; the best is framed, cells without an estimate say why."""
+    fig, ax = _figure_and_axes(ax, (1.6 + 1.25 * len(grid.block_ks), 1.2 + 0.9 * len(grid.block_qs)))
+    ok = ~np.isnan(grid.cycles)
+    if ok.any():
+        low, high = np.nanmin(grid.cycles), np.nanmax(grid.cycles)
+        ax.imshow(np.ma.masked_invalid(grid.cycles), cmap="YlOrRd", norm=LogNorm(low, max(high, low * 1.01)))
+    ax.imshow(np.where(ok, np.nan, 1.0), cmap="Greys", vmin=0, vmax=4)  # no estimate: light grey
+    best = np.nanmin(grid.cycles) if ok.any() else np.nan
+    worst = np.nanmax(grid.cycles) if ok.any() else np.nan
+    for i in range(len(grid.block_qs)):
+        for j in range(len(grid.block_ks)):
+            if ok[i, j]:
+                text = f"{grid.cycles[i, j] / 1e3:,.0f}k\n×{grid.cycles[i, j] / best:.2f}"
+                dark = worst > best and np.log(grid.cycles[i, j] / best) > 0.6 * np.log(worst / best)
+            else:
+                text, dark = _STATUS_LABELS.get(grid.status[i, j], "not tried"), False
+            ax.text(j, i, text, ha="center", va="center", fontsize=8, color="white" if dark else PALETTE["ink"])
+    if grid.best is not None:
+        i, j = grid.block_qs.index(grid.best[0]), grid.block_ks.index(grid.best[1])
+        ax.add_patch(Rectangle((j - 0.48, i - 0.48), 0.96, 0.96, fill=False, lw=2.5, edgecolor=PALETTE["Q"]))
+    ax.set_xticks(range(len(grid.block_ks)), labels=[str(b) for b in grid.block_ks])
+    ax.set_yticks(range(len(grid.block_qs)), labels=[str(b) for b in grid.block_qs])
+    return _label(ax, "block_k", "block_q", title or f"{grid.title}: estimated cycles (×best)")
+
+
+class StepCostFit(NamedTuple):
+    """``cycles ≈ per_step * grid_steps + rest``, fitted by least squares over a block sweep."""
+
+    per_step: float  # cycles every grid step pays, whatever its size
+    rest: float  # cycles that do not depend on the number of steps (the work itself, done once)
+    mxu_per_step: Mapping[int, float]  # steps -> MXU-floor cycles of one step's matmuls, for comparison
+
+
+def fit_step_cost(rows: Iterable[Row]) -> StepCostFit:
+    """Fit ``cycles = per_step * grid_steps + rest`` to the ``"ok"`` rows of a block sweep (one generation, one
+    shape: the work is the same for every row, so what changes with the blocks is the number of steps)."""
+    ok = [r for r in rows if r["status"] == "ok"]
+    if len(ok) < 2:
+        raise ValueError(f"fit_step_cost needs at least two rows with status 'ok', got {len(ok)}")
+    steps = np.array([r["grid_steps"] for r in ok], dtype=np.float64)  # [n]
+    cycles = np.array([r["cycles"] for r in ok], dtype=np.float64)  # [n]
+    design = np.stack([steps, np.ones_like(steps)], axis=1)  # [n, 2]
+    (per_step, rest), *_ = np.linalg.lstsq(design, cycles, rcond=None)
+    floor_per_step = {int(s): r["mxu_floor"] / s for s, r in zip(steps, ok, strict=True)}
+    return StepCostFit(float(per_step), float(rest), floor_per_step)
+
+
+def plot_step_cost(rows: Iterable[Row], fit: StepCostFit, ax: Axes | None = None, title: str | None = None) -> Figure:
+    """Estimated cycles against grid steps (one point per ``block_q x block_k``, labelled) with the fitted line:
+    its slope is the fixed cost of one grid step."""
+    ok = [r for r in rows if r["status"] == "ok"]
+    fig, ax = _figure_and_axes(ax, (6.5, 4.4))
+    steps = np.array([r["grid_steps"] for r in ok])  # [n]
+    ax.scatter(steps, [r["cycles"] for r in ok], color=SERIES_COLORS[1], zorder=3)
+    fewest = min(ok, key=lambda r: r["cycles"])
+    for r in ok:  # the crowded corner of few steps gets one label: the fastest
+        if r["grid_steps"] >= steps.max() / 4 or r is fewest:
+            ax.annotate(f"{r['block_q']}×{r['block_k']}", (r["grid_steps"], r["cycles"]), textcoords="offset points",
+                        xytext=(6, -10 if r["block_q"] > r["block_k"] else 2), fontsize=7, color=PALETTE["ink"])
+    line = np.linspace(0, steps.max() * 1.05, 50)  # [50]
+    ax.plot(line, fit.per_step * line + fit.rest, "--", color=SERIES_COLORS[0],
+            label=f"fit: {fit.per_step:,.0f} cycles per step + {fit.rest / 1e3:,.0f}k")
+    floor = next(r["mxu_floor"] for r in ok)
+    ax.axhline(floor, color=PALETTE["ink"], ls=":", lw=1, label=f"MXU floor {floor / 1e3:,.0f}k")
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y / 1e6:g}M"))
+    ax.legend(fontsize=8, loc="upper left")
+    ax.grid(True, alpha=0.3)
+    return _label(ax, "grid steps (batch × heads × q blocks × k blocks)", "estimated cycles", title)
+
+
+def plot_vmem_by_blocks(head_dim: int, dtype, block_qs: Sequence[int] = (128, 256, 512, 1024, 2048),
+                        block_ks: Sequence[int] = (128, 256, 512, 1024, 2048),
+                        generations: Sequence[str] = ("v5e", "v6e"), ax: Axes | None = None,
+                        title: str | None = None) -> Figure:
+    """flashlib's VMEM estimate (:meth:`BlockSizes.vmem_bytes`) against ``block_k``, one line per ``block_q``,
+    under the scoped-VMEM limit of each generation (horizontal lines)."""
+    fig, ax = _figure_and_axes(ax, (7.5, 4.4))
+    for block_q, color in zip(block_qs, cycle(SERIES_COLORS[1:] + SERIES_COLORS[:1])):
+        mib = [BlockSizes(block_q, block_k).vmem_bytes(head_dim, dtype) / MIB for block_k in block_ks]
+        ax.plot(block_ks, mib, "o-", color=color, ms=4, label=f"block_q={block_q}")
+    for generation, style in zip(generations, cycle(["--", ":", "-."])):
+        limit = vmem_limit_bytes(generation) / MIB
+        ax.axhline(limit, color=PALETTE["masked"], ls=style, lw=1.2)
+        ax.text(block_ks[0], limit * 1.06, f"{generation} scoped limit {limit:g} MiB", fontsize=8,
+                color=PALETTE["masked"])
+    ax.set(xscale="log", yscale="log")
+    ax.set_xticks(list(block_ks), labels=[str(b) for b in block_ks])
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.yaxis.set_major_locator(LogLocator(base=2.0))
+    ax.yaxis.set_minor_locator(NullLocator())
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    ax.grid(True, which="major", alpha=0.3)
+    return _label(ax, "block_k", "VMEM (MiB, flashlib's estimate)", title or f"VMEM per grid step, head_dim="
+                   f"{head_dim} {np.dtype(dtype).name}")
+
+
+# -- Implementations across lengths ----------------------------------------------------------------
+
+
+def plot_seq_sweep(rows: Iterable[Row], generation: str, baseline: str = "xla", ax: Axes | None = None,
+                   title: str | None = None) -> Figure:
+    """Estimated cycles over the MXU floor against sequence length, one line per implementation (1.0 would be
+    every MXU busy every cycle); above each length, flashlib's cycles over ``baseline``'s (below 1, in green:
+    flashlib's kernel is estimated faster)."""
+    rows = select(rows, generation=generation, status="ok")
+    fig, ax = _figure_and_axes(ax, (6.8, 4.6))
+    seqs = sorted({r["seq"] for r in rows})
+    for impl in dict.fromkeys(r["impl"] for r in rows):
+        mine = sorted(select(rows, impl=impl), key=lambda r: r["seq"])
+        ax.plot([r["seq"] for r in mine], [r["cycles"] / r["mxu_floor"] for r in mine], "o-",
+                color=IMPL_COLORS.get(impl), label=IMPL_NAMES.get(impl, impl), ms=4)
+    ax.axhline(1.0, color=PALETTE["ink"], ls=":", lw=1, label="MXU floor")
+    top = max((r["cycles"] / r["mxu_floor"] for r in rows), default=1.0)
+    for seq in seqs:
+        ours, theirs = select(rows, seq=seq, impl="pallas"), select(rows, seq=seq, impl=baseline)
+        if ours and theirs:
+            ratio = ours[0]["cycles"] / theirs[0]["cycles"]
+            ax.text(seq, top * 1.5, f"×{ratio:.2f}", ha="center", fontsize=8,
+                    color=PALETTE["masked"] if ratio > 1 else PALETTE["V"])
+    ax.set(xscale="log", yscale="log")
+    ax.set_ylim(0.8, top * 2.5)
+    ax.set_xticks(seqs, labels=[str(s) for s in seqs])
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.yaxis.set_major_locator(LogLocator(base=10.0, subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_minor_locator(NullLocator())
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
+    ax.legend(fontsize=8, loc="lower left")
+    ax.grid(True, which="major", alpha=0.3)
+    return _label(ax, "sequence length", "estimated cycles / MXU floor",
+                  title or f"{generation}: flashlib / {IMPL_NAMES.get(baseline, baseline)} above each length")
+
+
+# -- The optimisation story ------------------------------------------------------------------------
+
+
+def _number(value: Any) -> bool:
+    """A cell that holds a measurement (not a status such as ``"profiler_crash"``, not empty)."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def group_steps(rows: Iterable[Row], value: str, by: Sequence[str] = ("generation", "seq", "causal"),
+                skip_steps: Sequence[str] = ()) -> dict[tuple[Any, ...], list[Row]]:
+    """``{shape: [one row per step]}`` from an optimisation table: rows grouped by the ``by`` columns, steps in
+    the order they were appended; where a step has several rows for one shape (configurations tried), the one
+    with the smallest ``value``. Rows whose ``value`` is not a number (a refusal, a profiler crash) and rows of
+    ``skip_steps`` (e.g. a reference row that is not a step of the kernel) are left out."""
+    best: dict[tuple[Any, ...], dict[Any, Row]] = {}
+    for row in rows:
+        if not _number(row.get(value)) or row["step"] in skip_steps:
+            continue
+        steps = best.setdefault(tuple(row[key] for key in by), {})
+        if row["step"] not in steps or row[value] < steps[row["step"]][value]:
+            steps[row["step"]] = row
+    return {shape: list(steps.values()) for shape, steps in best.items()}
+
+
+def _first_number(rows: Sequence[Row], column: str | None) -> float | None:
+    return next((row[column] for row in rows if column and _number(row.get(column))), None)
+
+
+def plot_optimisation_steps(rows: Sequence[Row], value: str = "cycles", baseline: str | None = "jax_best",
+                            floor: str | None = "mxu_floor", ax: Axes | None = None,
+                            title: str | None = None) -> Figure:
+    """One bar per optimisation step (``rows`` in order, one shape) of column ``value``, each labelled with its
+    multiple of the first step; ``baseline`` (JAX's best) dashed and ``floor`` (the MXU floor) dotted, from the
+    first row that has them."""
+    if not rows:
+        raise ValueError("plot_optimisation_steps needs at least one row: select one shape from the steps table")
+    fig, ax = _figure_and_axes(ax, (1.8 + 1.1 * len(rows), 4.4))
+    values = np.array([r[value] for r in rows], dtype=np.float64)  # [steps]
+    x = np.arange(len(rows))
+    ax.bar(x, values, color=[SERIES_COLORS[0]] + [SERIES_COLORS[1]] * (len(rows) - 1), width=0.65)
+    for xi, v in zip(x, values, strict=True):
+        ax.text(xi, v, f"{v / 1e3:,.0f}k\n×{v / values[0]:.2f}", ha="center", va="bottom", fontsize=8)
+    top = values.max()
+    for column, style, label in ((baseline, "--", "JAX's best"), (floor, ":", "MXU floor")):
+        level = _first_number(rows, column)
+        if level is not None:
+            ax.axhline(level, color=PALETTE["ink"], ls=style, lw=1.2, label=f"{label} {level / 1e3:,.0f}k")
+            top = max(top, level)
+    ax.set_xticks(x, labels=[textwrap.fill(str(r["step"]), 12) for r in rows], fontsize=8)
+    ax.set_ylim(0, top * 1.25)
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y / 1e3:,.0f}k"))
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8, loc="upper right")
+    return _label(ax, "optimisation step (see the table)", f"estimated {value.replace('_', ' ')}", title)
+
+
+def plot_steps_vs_baseline(story: Mapping[tuple[Any, ...], Sequence[Row]], value: str = "cycles",
+                           baseline: str = "jax_best", ax: Axes | None = None, title: str | None = None) -> Figure:
+    """All shapes of a :func:`group_steps` story on one chart: ``value`` over ``baseline`` (JAX's best) at each
+    step, one line per shape; below the dashed line at 1, flashlib's kernel is estimated faster than JAX's."""
+    fig, ax = _figure_and_axes(ax, (7.5, 4.4))
+    order = list(dict.fromkeys(row["step"] for rows in story.values() for row in rows))  # steps as first recorded
+    for (shape, rows), color in zip(story.items(), cycle(SERIES_COLORS[1:] + SERIES_COLORS[:1])):
+        shared = _first_number(rows, baseline)
+        points = [(order.index(r["step"]), r[value] / (r[baseline] if _number(r.get(baseline)) else shared))
+                  for r in rows if shared or _number(r.get(baseline))]
+        if points:
+            xs, ys = zip(*points, strict=True)
+            name = " ".join(str(part) for part in shape[:2]) + (" causal" if len(shape) > 2 and shape[2] else "")
+            ax.plot(xs, ys, "o-", color=color, label=name, ms=5)
+    ax.axhline(1.0, color=PALETTE["ink"], ls="--", lw=1.2, label="JAX's best")
+    ax.set_xticks(range(len(order)), labels=[textwrap.fill(str(step), 12) for step in order], fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    ax.grid(True, alpha=0.3)
+    return _label(ax, "optimisation step", f"{value.replace('_', ' ')} / JAX's best (lower is better)", title)
+
+
+def steps_table(rows: Sequence[Row], value: str = "cycles", baseline: str = "jax_best", width: int = 60) -> str:
+    """The steps as aligned text: step, change (cut to ``width``), ``value``, × the first step, × ``baseline``
+    (the row's own, else the first row's that has one)."""
+    step_width = max([4] + [len(str(r["step"])) for r in rows])
+    lines = [f"{'step':<{step_width}}  {'change':<{width}}  {value:>12}  {'x first':>7}  {'x JAX':>6}"]
+    first = rows[0][value] if rows else None
+    shared = _first_number(rows, baseline)
+    for r in rows:
+        change = str(r["change"])
+        change = change if len(change) <= width else change[: width - 1] + "…"
+        jax_best = r[baseline] if _number(r.get(baseline)) else shared
+        vs_jax = f"{r[value] / jax_best:.2f}" if jax_best else "-"
+        lines.append(f"{r['step']!s:<{step_width}}  {change:<{width}}  {r[value]:>12,}  {r[value] / first:>7.2f}  "
+                     f"{vs_jax:>6}")
+    return "\n".join(lines)
