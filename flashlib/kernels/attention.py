@@ -1,9 +1,10 @@
 """``impl="pallas"``: the forward and backward Pallas kernels joined into one differentiable function.
 
 ``jax.custom_vjp`` tells JAX how to differentiate :func:`flash_attention`: run the forward kernel, saving
-only ``(q, k, v, out, lse)`` — O(N) residuals — then hand the output's cotangent to the two backward
-kernels of :mod:`flashlib.kernels.tpu_backward`, which recompute the probabilities block by block. JAX never
-traces into the kernels for derivatives, so no ``[q_len, kv_len]`` matrix is stored, ever.
+only ``(q, k, v, out, lse)`` — O(N) residuals — then hand the output's cotangent to the backward kernels of
+:mod:`flashlib.kernels.tpu_backward` (one fused dQ/dK/dV kernel while a head's dQ fits in VMEM, else a dK/dV
+and a dQ kernel), which recompute the probabilities block by block. JAX never traces into the kernels for
+derivatives, so no ``[q_len, kv_len]`` matrix is stored, ever.
 
 The kernels inside the VJP are wrapped once more, in ``jax.custom_jvp`` rules that refuse: differentiating
 them (grad of grad, a Hessian) would need derivatives of the kernels themselves, which flashlib does not
