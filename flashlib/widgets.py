@@ -113,7 +113,8 @@ def _entry_summary(entry: TuningResult) -> str:
     """One line under the heat map: the best blocks and how they compare with JAX's kernel and the MXU floor."""
     best, base = entry.best, entry.baseline_best
     if best is None:
-        return "no flashlib estimate for this shape (see the cells: why each candidate has none)"
+        jax = f"; JAX's best {base.label}: {base.cycles:,} cycles" if base is not None else ""
+        return f"no flashlib estimate for this shape (each cell says why){jax}"
     line = (f"best q{best.block_q}/k{best.block_k}: {best.cycles:,} cycles, "
             f"{best.cycles / entry.mxu_floor:.2f}x MXU floor")
     if base is not None:
