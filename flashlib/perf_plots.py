@@ -379,7 +379,8 @@ def plot_optimisation_steps(rows: Sequence[Row], value: str = "cycles", baseline
     x = np.arange(len(rows))
     ax.bar(x, values, color=[SERIES_COLORS[0]] + [SERIES_COLORS[1]] * (len(rows) - 1), width=0.65)
     for xi, v in zip(x, values, strict=True):
-        ax.text(xi, v, f"{v / 1e3:,.0f}k\n×{v / values[0]:.2f}", ha="center", va="bottom", fontsize=8)
+        ax.text(xi, v * 0.97, f"{v / 1e3:,.0f}k\n×{v / values[0]:.2f}", ha="center", va="top", fontsize=8,
+                color="white")  # inside the bar: clear of the reference lines drawn across it
     top = values.max()
     for column, style, label in ((baseline, "--", "JAX's best"), (floor, ":", "MXU floor")):
         level = _first_number(rows, column)
