@@ -86,6 +86,11 @@ def read_table(path: str | Path) -> list[Row]:
     return [{key: _value(text) for key, text in row.items()} for row in csv.DictReader(lines)]
 
 
+def _number(value: Any) -> bool:
+    """A cell that holds a measurement (not a status such as ``"profiler_crash"``, not empty)."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def select(rows: Iterable[Row], **where: Any) -> list[Row]:
     """The rows whose columns equal every ``where`` value, e.g. ``select(rows, generation="v5e", seq=2048)``."""
     return [row for row in rows if all(row.get(key) == value for key, value in where.items())]
@@ -110,11 +115,13 @@ def roofline_points(rows: Iterable[Row], generation: str, *, batch: int = 1, hea
 
     The work is the ideal count (:func:`flashlib.cost.attention_flops`: every implementation is credited with
     the same useful FLOPs); the bytes are the compiler's cost analysis of the same compile (XLA's include the
-    score matrix it writes to HBM and reads back).
+    score matrix it writes to HBM and reads back). Rows without that byte count are left out.
     """
     chip = hardware.CHIPS[generation]
     points = []
     for row in select(rows, generation=generation, status="ok"):
+        if not _number(row.get("hbm_bytes")):  # the compiler gave no cost analysis: no x coordinate
+            continue
         flops = cost.attention_flops(batch, heads, row["seq"], row["seq"], head_dim, causal)
         seconds = row["cycles"] / chip.clock_hz
         points.append(RooflinePoint(row["impl"], row["seq"], flops / row["hbm_bytes"], flops / seconds / 1e12))
@@ -339,11 +346,6 @@ def plot_seq_sweep(rows: Iterable[Row], generation: str, baseline: str = "xla", 
 
 
 # -- The optimisation story ------------------------------------------------------------------------
-
-
-def _number(value: Any) -> bool:
-    """A cell that holds a measurement (not a status such as ``"profiler_crash"``, not empty)."""
-    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def group_steps(rows: Iterable[Row], value: str, by: Sequence[str] = ("generation", "seq", "causal"),

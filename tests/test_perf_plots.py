@@ -139,6 +139,8 @@ def test_roofline_points_and_plot_match_the_sweep():
     pallas = sorted((p for p in points if p.impl == "pallas"), key=lambda p: p.seq)
     np.testing.assert_allclose(drawn["flashlib (Pallas)"].get_ydata(), [p.tflops for p in pallas])
     assert f"ridge {chip.ridge_point:.0f} FLOP/B" in _texts(fig)
+    no_bytes = [dict(rows[0], hbm_bytes=None)]  # a compile without cost analysis has no place on the roofline
+    assert perf_plots.roofline_points(no_bytes, "v5e") == []
 
 
 def test_plot_seq_sweep_labels_flashlib_over_xla():
