@@ -50,6 +50,7 @@ CASES = [  # q_len, kv_len, head_dim, dtype, causal, block sizes
     (300, 300, 64, BF16, True, backward_sizes(64, 128, dkv=(128, 64))),  # the same in the separate dQ kernel
     (37, 300, 64, F32, True, backward_sizes(16, 128, dkv=(128, 32))),  # q_len < kv_len: diagonal shifted right
     (300, 37, 32, BF16, True, backward_sizes(32, 128, dkv=(128, 16))),  # q_len > kv_len: 263 rows see no key
+    (300, 37, 32, BF16, True, backward_sizes(32, 128)),  # the same fused: one key block of 48, dQ^T rows of 0
     (130, 520, 64, BF16, False, backward_sizes(128, 256, dkv=(256, 128), dq=(128, 256))),  # padding, lcm of blocks
     (200, 130, 128, F32, False, backward_sizes(8, 128, dkv=(256, 8))),  # the smallest f32 key rows of dK/dV
 ]
