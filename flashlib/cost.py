@@ -163,7 +163,8 @@ def attention_flops(
     """Matmul FLOPs (the MXU work): ``2 matmuls x 2 flops x head_dim`` per score; elementwise ops not counted.
 
     With ``block_sizes`` (as the kernel runs them, i.e. after :meth:`BlockSizes.fit`): every visited
-    ``[block_q, block_k]`` block in full, padding included.
+    ``[block_q, block_k]`` block in full, padding included (a ``block_k_major`` copy is walked in ``block_k``
+    sub-blocks, each skipped or computed on its own).
     """
     if block_sizes is None:
         scores = visible_pairs(q_len, kv_len, causal)
@@ -212,15 +213,16 @@ def attention_bytes(
     """HBM bytes read and written: q, k, v in, out (and the f32 lse) back.
 
     Ideally each crosses HBM once. The kernel reads each q block once, re-reads k and v once per query
-    block (:func:`kv_block_fetches`), and writes out — and the lane-replicated ``[q, 128]`` f32 lse — once.
+    block (:func:`kv_block_fetches`, in copies of ``block_k_major`` keys when set), and writes out — and the
+    lane-replicated ``[q, 128]`` f32 lse — once.
     """
     itemsize = np.dtype(dtype).itemsize
     if block_sizes is None:
         elements = (2 * q_len + 2 * kv_len) * head_dim  # q, out; k, v
         return batch * heads * (elements * itemsize + (q_len * _F32_BYTES if with_lse else 0))
-    bq, bk = block_sizes.block_q, block_sizes.block_k
+    bq, kv_step = block_sizes.block_q, block_sizes.kv_step  # k and v are copied kv_step keys at a time
     q_rows = round_up(q_len, bq)
-    kv_rows = kv_block_fetches(q_len, kv_len, bq, bk, causal) * bk
+    kv_rows = kv_block_fetches(q_len, kv_len, bq, kv_step, causal) * kv_step
     per_head = (2 * q_rows + 2 * kv_rows) * head_dim * itemsize + (q_rows * NUM_LANES * _F32_BYTES if with_lse else 0)
     return batch * heads * per_head
 

@@ -362,12 +362,13 @@ def bundle_stats(fn: Callable[..., Any] | str, *args: Any, topology: str = "v5e:
 # ---------------------------------------------------------------------------------------------------
 
 
-def flashlib_forward(q, k, v, *, causal: bool, block_q: int, block_k: int, generation: str | None = None):
+def flashlib_forward(q, k, v, *, causal: bool, block_q: int, block_k: int, generation: str | None = None,
+                     block_k_major: int | None = None):
     """flashlib's Pallas forward kernel, compiled (not interpreted), with the given blocks."""
     import flashlib
     from flashlib.kernels import BlockSizes
 
-    sizes = BlockSizes(block_q=block_q, block_k=block_k, generation=generation)
+    sizes = BlockSizes(block_q=block_q, block_k=block_k, generation=generation, block_k_major=block_k_major)
     return flashlib.attention(q, k, v, causal=causal, impl="pallas", interpret=False, block_sizes=sizes)
 
 
@@ -406,8 +407,8 @@ def estimate_attention(
 
     ``impl="pallas"`` is flashlib's kernel, blocks ``block_q`` x ``block_k`` checked here (``ValueError``) against
     the VMEM budget of ``generation`` (default: the topology's; ``"v6e"`` lets the compiler, rather than
-    flashlib's conservative estimate, judge v5e blocks). ``"jax_flash"`` is JAX's kernel: ``block_k_major``
-    (default ``block_k``) is the key block it copies per step, ``block_k`` the slice it computes on.
+    flashlib's conservative estimate, judge v5e blocks). For both kernels ``block_k_major`` (default
+    ``block_k``) is the key block copied per grid step, ``block_k`` the sub-block computed on at a time.
     """
     if impl not in _RECIPES:
         raise ValueError(f"impl must be one of {', '.join(_RECIPES)}, got {impl!r}")
@@ -422,9 +423,11 @@ def estimate_attention(
 
         if generation is None and topology.split(":")[0] in GENERATIONS:
             generation = topology.split(":")[0]
-        sizes = BlockSizes(block_q=block_q, block_k=block_k, generation=generation)
+        sizes = BlockSizes(block_q=block_q, block_k=block_k, generation=generation, block_k_major=block_k_major)
         sizes.fit(seq, kv_seq, dtype).validate(dtype, head_dim)  # refuse here, before a subprocess starts
         options["generation"] = generation
+        if block_k_major is not None:
+            options["block_k_major"] = block_k_major
     else:
         options["block_k_major"] = block_k if block_k_major is None else block_k_major
     flops = float(cost.attention_flops(batch, heads, seq, kv_seq, head_dim, causal))

@@ -39,6 +39,15 @@ CASES = [  # q_len, kv_len, head_dim, dtype, causal, block sizes
     (256, 384, 256, F32, False, BlockSizes(128, 128)),  # aligned, no mask at all
     (200, 130, 128, F32, False, BlockSizes(8, 128)),  # the smallest f32 query block; padded keys
     (130, 520, 64, BF16, False, BlockSizes(128, 256)),  # padded q and k
+    # block_k_major: several key sub-blocks per grid step, each skipped, masked or plain on its own
+    (300, 300, 128, BF16, True, BlockSizes(64, 128, block_k_major=256)),  # last sub-block is all padding
+    (37, 600, 64, F32, True, BlockSizes(16, 128, block_k_major=384)),  # shifted diagonal inside a copy
+    (300, 200, 32, BF16, True, BlockSizes(32, 128, block_k_major=256)),  # rows that see nothing, padded keys
+    (130, 520, 64, BF16, False, BlockSizes(128, 128, block_k_major=512)),  # three sub-blocks of padding skipped
+    # causal query blocks taller than block_k: diagonal sub-blocks split into square row chunks
+    (300, 300, 64, BF16, True, BlockSizes(256, 128, block_k_major=256)),
+    (520, 400, 32, F32, True, BlockSizes(256, 128, block_k_major=384)),  # rows that see nothing
+    (250, 700, 32, F32, True, BlockSizes(256, 128, block_k_major=512)),  # diagonal shifted right
 ]
 
 
@@ -72,6 +81,16 @@ def test_lse_and_rows_that_see_no_key():
     assert np.all(np.isneginf(np.asarray(lse)[:, :, :blind]))
     expected = logsumexp_oracle(q, k, causal=True)
     np.testing.assert_allclose(np.asarray(lse)[:, :, blind:], expected[:, :, blind:], rtol=1e-5, atol=1e-5)
+
+
+def test_lse_with_sub_blocks_matches_one_block_per_step():
+    """block_k_major walks the same key blocks as block_k alone: the same out and lse (rows that see no key too)."""
+    q, k, v = make_qkv(q_len=300, kv_len=200, head_dim=32)
+    one = flash_attention_forward(q, k, v, causal=True, block_sizes=BlockSizes(64, 128), return_lse=True)
+    major = flash_attention_forward(q, k, v, causal=True, block_sizes=BlockSizes(64, 128, block_k_major=256),
+                                    return_lse=True)
+    for a, b in zip(one, major, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
 
 
 def test_matches_blockwise_lse():
@@ -168,6 +187,12 @@ def test_causal_counts_only_visited_blocks():
     assert causal * 64 == full * 36  # 8 x 8 blocks, 36 on or below the diagonal
     # query block i walks key blocks 0..i: i changes, plus a copy of block 0 when the previous one ended elsewhere
     assert cost.kv_block_fetches(1024, 1024, 128, 128, True) == 1 + sum(range(8)) + 6
+    # copies of 512 keys walked in 128-key sub-blocks: the same work, copies of the larger block
+    major = BlockSizes(128, 128, block_k_major=512)
+    assert cost.attention_flops(1, 1, 1024, 1024, 128, True, major) == causal
+    fetches = cost.kv_block_fetches(1024, 1024, 128, 512, True)  # q blocks 0-3 hold block 0; 4-7 walk 0, 1
+    assert fetches == 1 + 4 + 3 and cost.attention_bytes(1, 1, 1024, 1024, 128, True, "bfloat16", major) == (
+        (2 * 1024 + 2 * fetches * 512) * 128 * 2)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -187,12 +212,18 @@ NOTEBOOK_CONFIGS = [  # what the notebooks show: bf16, 2k tokens, 8 heads of 128
     (1, 8, 2048, 2048, 128, BF16, True, BlockSizes(256, 512)),
     (1, 8, 2048, 2048, 128, BF16, False, BlockSizes(512, 512)),
 ]
+MAJOR_CONFIGS = [  # a 2048-key copy per grid step, walked in 512-key sub-blocks
+    (1, 8, 2048, 2048, 128, BF16, False, BlockSizes(1024, 512, block_k_major=2048)),
+    (1, 8, 4096, 4096, 128, BF16, True, BlockSizes(1024, 512, block_k_major=2048)),
+]
 TOPOLOGIES = ["v5e:1x1", "v6e:1x1"]
 
 
 def _config_id(config) -> str:
     *sizes, dtype, causal, blocks = config
     blocks = "default" if blocks is None else f"{blocks.block_q}x{blocks.block_k}"
+    if blocks != "default" and config[-1].block_k_major:
+        blocks += f"-major{config[-1].block_k_major}"
     return "x".join(map(str, sizes)) + f"-{jnp.dtype(dtype).name}-{'causal' if causal else 'full'}-{blocks}"
 
 
@@ -206,7 +237,8 @@ def _structs(batch, heads, q_len, kv_len, head_dim, dtype):
     return q, kv, kv
 
 
-@pytest.mark.parametrize("config", [(*shape, None) for shape in SHAPES] + NOTEBOOK_CONFIGS, ids=_config_id)
+@pytest.mark.parametrize("config", [(*shape, None) for shape in SHAPES] + NOTEBOOK_CONFIGS + MAJOR_CONFIGS,
+                         ids=_config_id)
 def test_lowers_for_tpu(config):
     *shape, causal, sizes = config
     check = lower_for_tpu(_compiled_fn(causal, sizes), *_structs(*shape))
@@ -215,7 +247,8 @@ def test_lowers_for_tpu(config):
 
 @pytest.mark.tpu
 @pytest.mark.parametrize("topology", TOPOLOGIES)
-@pytest.mark.parametrize("config", [(*shape, None) for shape in SHAPES] + NOTEBOOK_CONFIGS, ids=_config_id)
+@pytest.mark.parametrize("config", [(*shape, None) for shape in SHAPES] + NOTEBOOK_CONFIGS + MAJOR_CONFIGS,
+                         ids=_config_id)
 def test_compiles_for_tpu(config, topology):
     *shape, causal, sizes = config
     generation = topology.split(":")[0]
@@ -227,9 +260,10 @@ def test_compiles_for_tpu(config, topology):
 
 @pytest.mark.tpu
 @pytest.mark.parametrize("causal", [False, True])
-def test_cost_estimate_reaches_the_compiler(causal):
+@pytest.mark.parametrize("major", [None, 1024])
+def test_cost_estimate_reaches_the_compiler(causal, major):
     """XLA reports the kernel's pl.CostEstimate, which flashlib.cost computes (aligned shapes: no pad ops)."""
-    batch, heads, n, head_dim, sizes = 1, 4, 1024, 128, BlockSizes(256, 512)
+    batch, heads, n, head_dim, sizes = 1, 4, 1024, 128, BlockSizes(256, 512, block_k_major=major)
     check = compile_for_tpu(_compiled_fn(causal, sizes), *_structs(batch, heads, n, n, head_dim, BF16))
     assert check.ok, check.compiler_message
     dims = (batch, heads, n, n, head_dim, causal)

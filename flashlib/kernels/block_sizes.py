@@ -129,7 +129,10 @@ class BlockSizes:
 
     Attributes:
       block_q: query rows per grid step (a multiple of 8; of 16 for bfloat16, see :meth:`validate`).
-      block_k: keys per grid step, a multiple of 128 (keys lie along lanes in the score tile).
+      block_k: keys per score tile, a multiple of 128 (keys lie along lanes in the score tile).
+      block_k_major: keys copied into VMEM per grid step of the forward kernel, a multiple of ``block_k``;
+        the kernel walks it in ``block_k`` sub-blocks. Fewer, larger copies mean fewer grid steps, each
+        of which has a fixed cost. None: ``block_k`` (one sub-block per step).
       generation: the TPU generation these sizes target (``"v5e"``, ``"v6e"``); it sets the VMEM budget
         they are checked against. None: the chip we run on (``"v5e"`` off-TPU, the smallest budget).
       block_q_dkv, block_k_dkv: query and key blocks of the dK/dV kernel; ``block_q_dkv`` lies along lanes
@@ -146,6 +149,7 @@ class BlockSizes:
     block_k_dkv: int | None = None
     block_q_dq: int | None = None
     block_k_dq: int | None = None
+    block_k_major: int | None = None
 
     def __post_init__(self) -> None:
         for kernel, fields in _KERNEL_FIELDS.items():
@@ -153,6 +157,9 @@ class BlockSizes:
                 value = getattr(self, name)
                 if value is not None or kernel == "forward":
                     _check_block(name, value, *_tile_rule(name, NUM_SUBLANES))
+        if self.block_k_major is not None:
+            _check_block("block_k_major", self.block_k_major, self.block_k,
+                         f"the kernel walks it in sub-blocks of block_k={self.block_k}")
         if self.generation is not None:
             vmem_limit_bytes(self.generation)  # raises for an unknown generation
 
@@ -172,13 +179,22 @@ class BlockSizes:
         sizes = cls(*preferred, generation=generation).fit(q_len, kv_len, dtype)
         return sizes.shrunk_to(limit, head_dim, dtype)
 
+    @property
+    def kv_step(self) -> int:
+        """Keys per grid step of the forward kernel: ``block_k_major``, else ``block_k``."""
+        return self.block_k if self.block_k_major is None else self.block_k_major
+
     def fit(self, q_len: int, kv_len: int, dtype) -> BlockSizes:
         """Clamp the blocks to the sequence lengths, rounded up to whole tiles: a 37-token sequence is one
-        block of 40 (f32) or 48 (bf16) rows and 128 keys, not a 512-row block of padding."""
+        block of 40 (f32) or 48 (bf16) rows and 128 keys, not a 512-row block of padding. ``block_k_major``
+        is clamped to whole ``block_k`` sub-blocks of the sequence (None once it equals ``block_k``)."""
+        block_k = min(self.block_k, round_up(kv_len, NUM_LANES))
+        major = None if self.block_k_major is None else min(self.block_k_major, round_up(kv_len, block_k))
         return dataclasses.replace(
             self,
             block_q=min(self.block_q, round_up(q_len, sublanes(dtype))),
-            block_k=min(self.block_k, round_up(kv_len, NUM_LANES)),
+            block_k=block_k,
+            block_k_major=None if major == block_k else major,
         )
 
     def for_backward(self, q_len: int, kv_len: int, head_dim: int, dtype) -> BlockSizes:
@@ -221,6 +237,13 @@ class BlockSizes:
             )
         return block_q, block_k
 
+    def named_blocks(self, kernel: str = "forward") -> dict[str, int | None]:
+        """``{field: value}`` of ``kernel``'s blocks (the forward's ``block_k_major`` too, when set)."""
+        named = dict(zip(_KERNEL_FIELDS[kernel], self.blocks(kernel), strict=True))
+        if kernel == "forward" and self.block_k_major is not None:
+            named["block_k_major"] = self.block_k_major
+        return named
+
     def shrunk_to(self, limit: int, head_dim: int, dtype, kernel: str = "forward") -> BlockSizes:
         """Halve ``kernel``'s larger block (keeping whole tiles) until its VMEM estimate is within ``limit``."""
         q_field, k_field = _KERNEL_FIELDS[kernel]
@@ -228,7 +251,11 @@ class BlockSizes:
         sizes = self
         while sizes.vmem_bytes(head_dim, dtype, kernel=kernel) > limit:
             block_q, block_k = sizes.blocks(kernel)
-            if block_k >= max(block_q, 2 * k_multiple):
+            if kernel == "forward" and sizes.block_k_major is not None:  # first fewer keys per copy
+                major = round_up(sizes.block_k_major // 2, block_k)
+                shrunk = major if block_k < major < sizes.block_k_major else None
+                sizes = dataclasses.replace(sizes, block_k_major=shrunk)
+            elif block_k >= max(block_q, 2 * k_multiple):
                 sizes = dataclasses.replace(sizes, **{k_field: round_up(block_k // 2, k_multiple)})
             elif block_q >= 2 * q_multiple:
                 sizes = dataclasses.replace(sizes, **{q_field: round_up(block_q // 2, q_multiple)})
@@ -241,13 +268,15 @@ class BlockSizes:
 
         Forward:
 
-        * q, k, v and out blocks, double-buffered (the pipeline fetches step ``i + 1`` while computing ``i``);
+        * q and out ``[block_q, head_dim]``, k and v ``[block_k_major, head_dim]`` blocks, double-buffered
+          (the pipeline fetches step ``i + 1`` while computing ``i``);
         * the lse output block ``[block_q, 128]`` f32, double-buffered;
-        * f32 scratch: running max ``m`` and sum ``l`` as lane-replicated ``[block_q, 128]`` tiles, and the
-          accumulator ``[block_q, head_dim]``;
+        * scratch: the scaled query ``[block_q, head_dim]`` (input dtype); f32 running max ``m`` and sum ``l``
+          as lane-replicated ``[block_q, 128]`` tiles, and the accumulator ``[block_q, head_dim]``;
         * the body's f32 temporaries, far larger than the 64 vector registers: three ``[block_q, block_k]``
           tiles (scores, their max-shifted copy, probabilities; the mask and the bf16 matmul operand reuse
-          their space) and one ``[block_q, head_dim]`` tile (``p @ v`` before it joins the accumulator).
+          their space) and one ``[block_q, head_dim]`` tile (``p @ v`` before it joins the accumulator), for
+          one ``block_k`` sub-block at a time.
 
         The backward kernels (:meth:`_backward_vmem_bytes`) count the same kinds of buffer.
 
@@ -262,11 +291,12 @@ class BlockSizes:
         lanes = round_up(head_dim, NUM_LANES)
         double_buffered = 2 * (
             self.block_q * lanes * itemsize  # q
-            + 2 * self.block_k * lanes * itemsize  # k, v
+            + 2 * self.kv_step * lanes * itemsize  # k, v
             + self.block_q * lanes * itemsize  # out
             + self.block_q * NUM_LANES * _F32_BYTES  # lse
         )
         scratch = (2 * self.block_q * NUM_LANES + self.block_q * lanes) * _F32_BYTES  # m, l, acc
+        scratch += self.block_q * lanes * itemsize  # the scaled query
         temporaries = (_SCORE_TILES * self.block_q * self.block_k + self.block_q * lanes) * _F32_BYTES
         return double_buffered + scratch + temporaries
 
@@ -310,8 +340,7 @@ class BlockSizes:
         if need > limit:
             smaller = self.shrunk_to(limit, head_dim, dtype, kernel=kernel)
             where = "" if kernel == "forward" else f" in the {_KERNEL_NAMES[kernel]} kernel"
-            have = ", ".join(f"{f}={v}" for f, v in zip((q_field, k_field), self.blocks(kernel), strict=True))
-            fix = ", ".join(f"{f}={v}" for f, v in zip((q_field, k_field), smaller.blocks(kernel), strict=True))
+            have, fix = (", ".join(f"{f}={v}" for f, v in s.named_blocks(kernel).items()) for s in (self, smaller))
             raise ValueError(
                 f"{have} need about {need / MIB:.1f} MiB of VMEM{where} for head_dim={head_dim} {name}, over the "
                 f"{limit // MIB} MiB scoped limit of {self.generation or current_generation()}; try {fix}"

@@ -22,6 +22,7 @@ Only blocks that straddle the diagonal or hold padded keys build an element mask
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -35,10 +36,12 @@ from flashlib import cost, env
 from flashlib.api import AttentionShape, validate_inputs
 from flashlib.blockwise import pad_to_multiple
 from flashlib.kernels.block_sizes import MASK_VALUE, NUM_LANES, BlockSizes
-from flashlib.reference import causal_visible, default_scale
+from flashlib.reference import default_scale
 
 __all__ = ["check_options", "flash_attention_forward", "resolve_block_sizes"]
 
+LOG2_E = 1.0 / math.log(2.0)  # exp(x) = exp2(x * log2(e))
+LN_2 = math.log(2.0)
 NT_DIMS = (((1,), (1,)), ((), ()))  # [m, d] x [n, d] -> [m, n]: contract the last dims (q k^T without a transpose)
 
 
@@ -50,79 +53,103 @@ def _lanes_to(x: jax.Array, width: int) -> jax.Array:
 
 def _forward_kernel(
     q_ref,  # [block_q, head_dim]
-    k_ref,  # [block_k, head_dim]
-    v_ref,  # [block_k, head_dim]
-    *refs,  # outputs o [block_q, head_dim] (, lse [block_q, 128] f32); scratch m, l [block_q, 128], acc
+    k_ref,  # [block_k_major, head_dim]
+    v_ref,  # [block_k_major, head_dim]
+    *refs,  # outputs o [block_q, head_dim] (, lse [block_q, 128] f32); scratch q_scaled, m, l [block_q, 128], acc
     causal: bool,
     scale: float,
+    block_k: int,
     q_len: int,
     kv_len: int,
     has_padding: bool,
     return_lse: bool,
 ):
     if return_lse:
-        o_ref, lse_ref, m_ref, l_ref, acc_ref = refs
+        o_ref, lse_ref, q_scaled_ref, m_ref, l_ref, acc_ref = refs
     else:
-        (o_ref, m_ref, l_ref, acc_ref), lse_ref = refs, None
+        (o_ref, q_scaled_ref, m_ref, l_ref, acc_ref), lse_ref = refs, None
     block_q, head_dim = q_ref.shape
-    block_k = k_ref.shape[0]
-    q_block, kv_block = pl.program_id(2), pl.program_id(3)
+    num_sub_blocks = k_ref.shape[0] // block_k
+    q_block, kv_step = pl.program_id(2), pl.program_id(3)
     geometry = dict(block_q=block_q, block_k=block_k, q_len=q_len, kv_len=kv_len, causal=causal)
+    # Rows that see no key at all exist only when q_len > kv_len (causal): for them m stays MASK_VALUE and
+    # exp2(s - m) would be 1 on masked keys, so their probabilities are masked a second time.
+    has_blind_rows = causal and q_len > kv_len
 
-    @pl.when(kv_block == 0)
+    @pl.when(kv_step == 0)
     def init():
+        # Scores in base 2: s2 = (q * scale * log2(e)) k^T, so softmax needs exp2 and no per-score multiply.
+        q_scaled = q_ref[...].astype(jnp.float32) * (scale * LOG2_E)  # [block_q, head_dim]
+        q_scaled_ref[...] = q_scaled.astype(q_scaled_ref.dtype)
         m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)  # [block_q, 128]
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)  # [block_q, 128]
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)  # [block_q, head_dim]
 
-    def body(masked: bool):
-        q = q_ref[...]  # [block_q, head_dim]
-        k = k_ref[...]  # [block_k, head_dim]
-        s = lax.dot_general(q, k, NT_DIMS, preferred_element_type=jnp.float32) * scale  # [block_q, block_k]
+    def body(sub_block: int, kv_block, masked: bool, row_chunk: int = 0, chunk_rows: int = block_q):
+        """One online-softmax update: rows ``[row_chunk * chunk_rows, +chunk_rows)`` of the query block
+        against key sub-block ``sub_block`` of this step (``kv_block`` in the whole sequence)."""
+        rows = slice(row_chunk * chunk_rows, (row_chunk + 1) * chunk_rows)
+        keys = slice(sub_block * block_k, (sub_block + 1) * block_k)
+        q = q_scaled_ref[rows, :]  # [chunk_rows, head_dim]
+        k = k_ref[keys, :]  # [block_k, head_dim]
+        s = lax.dot_general(q, k, NT_DIMS, preferred_element_type=jnp.float32)  # [chunk_rows, block_k]  base 2
         if masked:
-            shape = (block_q, block_k)
-            q_pos = q_block * block_q + lax.broadcasted_iota(jnp.int32, shape, 0)  # [block_q, block_k]
-            kv_pos = kv_block * block_k + lax.broadcasted_iota(jnp.int32, shape, 1)  # [block_q, block_k]
-            visible = kv_pos < kv_len  # [block_q, block_k]   padded keys are never seen
-            if causal:
-                visible &= causal_visible(q_pos, kv_pos, q_len=q_len, kv_len=kv_len)
-            s = jnp.where(visible, s, MASK_VALUE)  # [block_q, block_k]
+            shape = (chunk_rows, block_k)
+            row = lax.broadcasted_iota(jnp.int32, shape, 0)  # [chunk_rows, block_k]
+            col = lax.broadcasted_iota(jnp.int32, shape, 1)  # [chunk_rows, block_k]
+            key_offset = kv_block * block_k  # position of this sub-block's first key
+            visible = col < kv_len - key_offset  # [chunk_rows, block_k]   padded keys are never seen
+            if causal:  # key j visible to query i when j <= i + kv_len - q_len, relative to the tile's corner
+                query_offset = q_block * block_q + row_chunk * chunk_rows
+                visible &= col - row <= query_offset - key_offset + (kv_len - q_len)
+            s = jnp.where(visible, s, MASK_VALUE)  # [chunk_rows, block_k]
 
-        m_prev, l_prev = m_ref[...], l_ref[...]  # [block_q, 128]
-        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))  # [block_q, 128]
-        alpha = jnp.exp(m_prev - m_next)  # [block_q, 128]   rescales what was accumulated so far
-        p = jnp.exp(s - _lanes_to(m_next, block_k))  # [block_q, block_k]
-        if masked:
-            # A row that has seen only masked keys has m = MASK_VALUE and would get exp(0) = 1 here.
-            p = jnp.where(visible, p, 0.0)  # [block_q, block_k]
-        m_ref[...] = m_next
-        l_ref[...] = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)  # [block_q, 128]
-        v = v_ref[...]  # [block_k, head_dim]
-        pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)  # [block_q, head_dim]
-        acc_ref[...] = acc_ref[...] * _lanes_to(alpha, head_dim) + pv  # [block_q, head_dim]
+        m_prev, l_prev = m_ref[rows, :], l_ref[rows, :]  # [chunk_rows, 128]
+        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))  # [chunk_rows, 128]
+        alpha = jnp.exp2(m_prev - m_next)  # [chunk_rows, 128]   rescales what was accumulated so far
+        p = jnp.exp2(s - _lanes_to(m_next, block_k))  # [chunk_rows, block_k]
+        if masked and has_blind_rows:
+            p = p * visible.astype(p.dtype)  # [chunk_rows, block_k]   (a select here crashes libtpu's profiler)
+        m_ref[rows, :] = m_next
+        l_ref[rows, :] = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)  # [chunk_rows, 128]
+        v = v_ref[keys, :]  # [block_k, head_dim]
+        pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)  # [chunk_rows, head_dim]
+        acc_ref[rows, :] = acc_ref[rows, :] * _lanes_to(alpha, head_dim) + pv  # [chunk_rows, head_dim]
 
-    if causal or has_padding:  # three kinds of block: skipped, masked (diagonal or padding), plain
+    # A causal diagonal sub-block is split into square [block_k, block_k] row chunks when the query block is
+    # taller: the chunks above the diagonal are skipped, those below it need no mask.
+    split_rows = causal and block_q > block_k and block_q % block_k == 0
+    num_chunks = block_q // block_k if split_rows else 1
+    for sub_block in range(num_sub_blocks):  # unrolled: each sub-block is skipped, masked or plain on its own
+        kv_block = kv_step * num_sub_blocks + sub_block  # index of the [block_k] key block in the sequence
+        if not (causal or has_padding):
+            body(sub_block, kv_block, masked=False)
+            continue
+        # three kinds of block: skipped, masked (diagonal or padding), plain
         block_visible = cost.block_is_visible(q_block, kv_block, **geometry)
+        if num_sub_blocks > 1 and has_padding:  # a sub-block of padding alone (the step was padded to whole copies)
+            block_visible &= kv_block * block_k < kv_len
         needs_mask = cost.block_needs_mask(q_block, kv_block, **geometry)
+        update = functools.partial(body, sub_block, kv_block)
+        pl.when(block_visible & ~needs_mask)(functools.partial(update, False))
+        if not split_rows:
+            pl.when(block_visible & needs_mask)(functools.partial(update, True))
+            continue
+        chunk_geometry = dict(geometry, block_q=block_k)
+        for chunk in range(num_chunks):  # the same three kinds again, for each row chunk of a masked block
+            chunk_block = q_block * num_chunks + chunk  # index of the [block_k] query chunk in the sequence
+            chunk_visible = block_visible & needs_mask & cost.block_is_visible(chunk_block, kv_block, **chunk_geometry)
+            chunk_needs_mask = cost.block_needs_mask(chunk_block, kv_block, **chunk_geometry)
+            pl.when(chunk_visible & chunk_needs_mask)(functools.partial(update, True, chunk, block_k))
+            pl.when(chunk_visible & ~chunk_needs_mask)(functools.partial(update, False, chunk, block_k))
 
-        @pl.when(block_visible & needs_mask)
-        def masked_body():
-            body(masked=True)
-
-        @pl.when(block_visible & ~needs_mask)
-        def plain_body():
-            body(masked=False)
-
-    else:
-        body(masked=False)
-
-    @pl.when(kv_block == pl.num_programs(3) - 1)
+    @pl.when(kv_step == pl.num_programs(3) - 1)
     def finalize():
         l = l_ref[...]  # noqa: E741  [block_q, 128]
         l_safe = jnp.where(l == 0.0, 1.0, l)  # [block_q, 128]   a row that saw no key: acc = 0 -> out = 0
         o_ref[...] = (acc_ref[...] * _lanes_to(1.0 / l_safe, head_dim)).astype(o_ref.dtype)  # [block_q, head_dim]
-        if lse_ref is not None:
-            lse_ref[...] = m_ref[...] + jnp.log(l)  # [block_q, 128]   log(0) = -inf for a row that saw no key
+        if lse_ref is not None:  # back to natural log: lse = ln(2) * (m + log2(l))
+            lse_ref[...] = LN_2 * m_ref[...] + jnp.log(l)  # [block_q, 128]   log(0) = -inf: a row that saw no key
 
 
 def resolve_block_sizes(shape: AttentionShape, block_sizes: BlockSizes | None, causal: bool = False) -> BlockSizes:
@@ -192,11 +219,11 @@ def flash_attention_forward(
 def _forward(q, k, v, *, causal: bool, scale: float, sizes: BlockSizes, interpret, return_lse: bool):
     batch, heads, q_len, head_dim = q.shape
     kv_len = k.shape[2]
-    block_q, block_k = sizes.block_q, sizes.block_k
+    block_q, block_k, kv_step = sizes.block_q, sizes.block_k, sizes.kv_step
     q_padded = pad_to_multiple(q, 2, block_q)  # [b, h, Tq, d]
-    k_padded = pad_to_multiple(k, 2, block_k)  # [b, h, Tk, d]
-    v_padded = pad_to_multiple(v, 2, block_k)  # [b, h, Tk, d]
-    num_q_blocks, num_kv_blocks = q_padded.shape[2] // block_q, k_padded.shape[2] // block_k
+    k_padded = pad_to_multiple(k, 2, kv_step)  # [b, h, Tk, d]
+    v_padded = pad_to_multiple(v, 2, kv_step)  # [b, h, Tk, d]
+    num_q_blocks, num_kv_steps = q_padded.shape[2] // block_q, k_padded.shape[2] // kv_step
 
     def q_index_map(b, h, i, j):
         return b, h, i, 0
@@ -205,7 +232,7 @@ def _forward(q, k, v, *, causal: bool, scale: float, sizes: BlockSizes, interpre
         if causal:  # past the last needed block, repeat it: same index, so no new HBM -> VMEM copy
             last_key = jnp.maximum(cost.last_key_seen(i, block_q=block_q, q_len=q_len, kv_len=kv_len), 0)
             # lax.div truncates, i.e. floors a key >= 0; jnp's // would need sign(), which Mosaic lowers per chip
-            j = jnp.minimum(j, lax.div(last_key, block_k))
+            j = jnp.minimum(j, lax.div(last_key, kv_step))
         return b, h, j, 0
 
     def row_stat_index_map(b, h, i, j):
@@ -213,7 +240,7 @@ def _forward(q, k, v, *, causal: bool, scale: float, sizes: BlockSizes, interpre
 
     squeezed = pl.squeezed
     q_spec = pl.BlockSpec((squeezed, squeezed, block_q, head_dim), q_index_map)
-    kv_spec = pl.BlockSpec((squeezed, squeezed, block_k, head_dim), kv_index_map)
+    kv_spec = pl.BlockSpec((squeezed, squeezed, kv_step, head_dim), kv_index_map)
     out_shape = [jax.ShapeDtypeStruct(q_padded.shape, q.dtype)]
     out_specs = [pl.BlockSpec((squeezed, squeezed, block_q, head_dim), q_index_map)]
     if return_lse:  # lane-replicated like m and l: a lane-dense [block_q, 128] store
@@ -222,17 +249,18 @@ def _forward(q, k, v, *, causal: bool, scale: float, sizes: BlockSizes, interpre
 
     dims = (batch, heads, q_len, kv_len, head_dim, causal)
     kernel = functools.partial(
-        _forward_kernel, causal=causal, scale=scale, q_len=q_len, kv_len=kv_len,
+        _forward_kernel, causal=causal, scale=scale, block_k=block_k, q_len=q_len, kv_len=kv_len,
         has_padding=k_padded.shape[2] != kv_len, return_lse=return_lse,
     )
     outputs = pl.pallas_call(
         kernel,
-        grid=(batch, heads, num_q_blocks, num_kv_blocks),
+        grid=(batch, heads, num_q_blocks, num_kv_steps),
         in_specs=[q_spec, kv_spec, kv_spec],
         out_specs=out_specs,
         out_shape=out_shape,
         scratch_shapes=[
-            pltpu.VMEM((block_q, NUM_LANES), jnp.float32),  # m: running max, lane-replicated
+            pltpu.VMEM((block_q, head_dim), q.dtype),  # q * scale * log2(e), made once per query block
+            pltpu.VMEM((block_q, NUM_LANES), jnp.float32),  # m: running max (base 2), lane-replicated
             pltpu.VMEM((block_q, NUM_LANES), jnp.float32),  # l: running sum, lane-replicated
             pltpu.VMEM((block_q, head_dim), jnp.float32),  # acc: unnormalised output
         ],
