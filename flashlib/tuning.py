@@ -33,6 +33,7 @@ when the kernel changes, rerun the script: it is the single source of truth for 
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import sys
 import time
@@ -49,6 +50,7 @@ from flashlib.kernels.block_sizes import GENERATIONS, BlockSizes
 __all__ = [
     "BLOCK_CHOICES",
     "JAX_FLASH_CHOICES",
+    "MAJOR_CHOICES",
     "TABLE_PATH",
     "TableKey",
     "Trial",
@@ -64,6 +66,7 @@ __all__ = [
 
 TABLE_PATH = Path(__file__).resolve().parents[1] / "data" / "tuning" / "forward_blocks.json"
 BLOCK_CHOICES: tuple[int, ...] = (256, 512, 1024)  # tried for block_q and for block_k
+MAJOR_CHOICES: tuple[int, ...] = (2048, 4096)  # block_k_major (keys per k/v copy) tried on top of one block_k
 # JAX's own flash_attention as a yardstick: (block_q, block_k_major, block_k), its best configurations in
 # /work/shared/reference/jax-kernel-tpu-estimates.md plus the plain 512 cube.
 JAX_FLASH_CHOICES: tuple[tuple[int, int, int], ...] = (
@@ -85,7 +88,7 @@ class Trial:
     Attributes:
       impl: ``"pallas"`` (flashlib's kernel) or ``"jax_flash"`` (JAX's, the yardstick).
       block_q, block_k: the blocks, after clamping to the sequence.
-      block_k_major: JAX's key block per copy (``jax_flash`` only), else None.
+      block_k_major: keys per k/v copy when larger than ``block_k`` (JAX's kernel always sets it), else None.
       status: one of :data:`STATUSES`.
       cycles: libtpu's static estimate, all kernels of the compile together (``status == "ok"`` only).
       floor_ratio: ``cycles`` over the MXU floor of the ideal FLOPs (1.0: every MXU busy every cycle).
@@ -170,7 +173,9 @@ class TuningResult:
     def best_block_sizes(self) -> BlockSizes | None:
         """:attr:`best` as a ``BlockSizes`` for this generation."""
         best = self.best
-        return None if best is None else BlockSizes(best.block_q, best.block_k, generation=self.generation)
+        if best is None:
+            return None
+        return BlockSizes(best.block_q, best.block_k, generation=self.generation, block_k_major=best.block_k_major)
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict (with the best picked out, for readers of the file)."""
@@ -180,7 +185,7 @@ class TuningResult:
         return {
             **fields,
             "mxu_floor": round(self.mxu_floor, 1),
-            "best": None if best is None else {"block_q": best.block_q, "block_k": best.block_k, "cycles": best.cycles},
+            "best": None if best is None else _best_json(best),
             "jax_flash_best": None if base is None else {"label": base.label, "cycles": base.cycles},
             "vs_jax_flash": round(best.cycles / base.cycles, 3) if best and base else None,
             "trials": [_trial_json(t) for t in self.trials],
@@ -200,6 +205,13 @@ def _fastest(trials: Iterable[Trial]) -> Trial | None:
     return min((t for t in trials if t.ok), key=lambda t: t.cycles, default=None)
 
 
+def _best_json(trial: Trial) -> dict[str, Any]:
+    blocks = {"block_q": trial.block_q, "block_k": trial.block_k}
+    if trial.block_k_major is not None:
+        blocks["block_k_major"] = trial.block_k_major
+    return {**blocks, "cycles": trial.cycles}
+
+
 def _trial_json(trial: Trial) -> dict[str, Any]:
     return {k: v for k, v in asdict(trial).items() if v is not None and v != ""}
 
@@ -209,20 +221,22 @@ def _trial_json(trial: Trial) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------------
 
 
-def _screen(seq_q: int, seq_k: int, head_dim: int, dtype, generation: str,
-            choices: Iterable[int]) -> tuple[list[BlockSizes], list[tuple[BlockSizes, str]]]:
-    """``(accepted, [(refused, why)])``: every pair of ``choices``, clamped to the sequence, deduplicated."""
+def _screen(seq_q: int, seq_k: int, head_dim: int, dtype, generation: str, choices: Iterable[int],
+            majors: Iterable[int] = ()) -> tuple[list[BlockSizes], list[tuple[BlockSizes, str]]]:
+    """``(accepted, [(refused, why)])``: every pair of ``choices`` (each alone and with every larger copy size
+    of ``majors``), clamped to the sequence, deduplicated."""
     if generation not in GENERATIONS:
         raise ValueError(f"generation must be one of {', '.join(GENERATIONS)}, got {generation!r}")
     accepted: list[BlockSizes] = []
     refused: list[tuple[BlockSizes, str]] = []
-    seen: set[tuple[int, int]] = set()
-    for block_q in choices:
-        for block_k in choices:
-            sizes = BlockSizes(block_q, block_k, generation=generation).fit(seq_q, seq_k, dtype)
-            if (sizes.block_q, sizes.block_k) in seen:
+    seen: set[tuple[int, int, int | None]] = set()
+    choices, majors = list(choices), list(majors)
+    for block_q, block_k in itertools.product(choices, choices):
+        for major in [None, *(m for m in majors if m > block_k and m % block_k == 0)]:
+            sizes = BlockSizes(block_q, block_k, generation=generation, block_k_major=major).fit(seq_q, seq_k, dtype)
+            if (sizes.block_q, sizes.block_k, sizes.block_k_major) in seen:
                 continue
-            seen.add((sizes.block_q, sizes.block_k))
+            seen.add((sizes.block_q, sizes.block_k, sizes.block_k_major))
             try:
                 sizes.validate(dtype, head_dim)
             except ValueError as err:
@@ -233,13 +247,14 @@ def _screen(seq_q: int, seq_k: int, head_dim: int, dtype, generation: str,
 
 
 def candidates(seq_q: int, seq_k: int, head_dim: int, dtype, generation: str,
-               choices: Iterable[int] = BLOCK_CHOICES) -> list[BlockSizes]:
+               choices: Iterable[int] = BLOCK_CHOICES, majors: Iterable[int] = MAJOR_CHOICES) -> list[BlockSizes]:
     """The forward ``BlockSizes`` worth compiling for one shape on ``generation`` (``"v5e"``, ``"v6e"``).
 
-    Every ``block_q x block_k`` of ``choices``, clamped to the tile-rounded sequences and deduplicated,
-    that obeys the dtype's tiling rule and fits flashlib's VMEM estimate for the generation's scoped limit.
+    Every ``block_q x block_k`` of ``choices``, alone and with each ``block_k_major`` of ``majors`` that holds
+    whole ``block_k`` sub-blocks, clamped to the tile-rounded sequences and deduplicated, that obeys the
+    dtype's tiling rule and fits flashlib's VMEM estimate for the generation's scoped limit.
     """
-    return _screen(seq_q, seq_k, head_dim, dtype, generation, choices)[0]
+    return _screen(seq_q, seq_k, head_dim, dtype, generation, choices, majors)[0]
 
 
 def estimate_trial(impl: str, *, block_q: int, block_k: int, block_k_major: int | None = None,
@@ -278,6 +293,7 @@ def tune(
     batch: int = 1,
     heads: int = 8,
     choices: Iterable[int] = BLOCK_CHOICES,
+    majors: Iterable[int] = MAJOR_CHOICES,
     baseline: Iterable[tuple[int, int, int]] = (),
     timeout: float = 900.0,
     report: Callable[[str], None] | None = None,
@@ -288,9 +304,10 @@ def tune(
     dtype = jnp.dtype(dtype).name
     generation = topology.split(":")[0]
     shape = dict(batch=batch, heads=heads, seq=seq_q, kv_seq=seq_k, head_dim=head_dim, dtype=dtype, causal=causal)
-    accepted, refused = _screen(seq_q, seq_k, head_dim, dtype, generation, choices)
-    trials = [Trial("pallas", s.block_q, s.block_k, "refused", note=_one_line(why)) for s, why in refused]
-    jobs = [("pallas", dict(block_q=s.block_q, block_k=s.block_k)) for s in accepted]
+    accepted, refused = _screen(seq_q, seq_k, head_dim, dtype, generation, choices, majors)
+    trials = [Trial("pallas", s.block_q, s.block_k, "refused", block_k_major=s.block_k_major, note=_one_line(why))
+              for s, why in refused]
+    jobs = [("pallas", dict(block_q=s.block_q, block_k=s.block_k, block_k_major=s.block_k_major)) for s in accepted]
     jobs += [("jax_flash", dict(block_q=q, block_k_major=km, block_k=k))
              for q, km, k in baseline if max(q, km, k) <= min(seq_q, seq_k)]
     measured: list[Trial] = []

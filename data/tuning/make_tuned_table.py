@@ -2,9 +2,11 @@
 
 For every shape ``[batch=1, heads=8, T, head_dim]`` bf16 with T in {1024, 2048, 4096}, head_dim in {128, 64},
 causal and not, on v5e and v6e: compile every candidate ``block_q x block_k`` (256, 512, 1024 each, clamped
-to T, those flashlib's VMEM estimate refuses recorded as ``refused``) ahead of time for the target with
-libtpu's static profiler, and JAX's own flash attention on a few of its configurations as a yardstick
-(:func:`flashlib.tuning.tune`). Every outcome is kept: cycles, or ``refused`` / ``compile_error`` /
+to T), alone and with a larger k/v copy per grid step (``block_k_major`` 2048, 4096; those flashlib's VMEM
+estimate refuses recorded as ``refused``) ahead of time for the target with libtpu's static profiler, and
+JAX's own flash attention on a few of its configurations as a yardstick (:func:`flashlib.tuning.tune`).
+JAX's rows do not depend on flashlib's kernel: ``--reuse-baseline PATH`` copies them from an earlier table
+(same libtpu) instead of compiling them again. Every outcome is kept: cycles, or ``refused`` / ``compile_error`` /
 ``profiler_crash`` with the reason. No TPU needed; libtpu >= 0.0.42 is (the newest-jax environment)::
 
     JAX_PLATFORMS=cpu .venv/bin/python data/tuning/make_tuned_table.py          # about an hour on 2 cores
@@ -17,6 +19,7 @@ rewritten after every shape (``"complete": false`` until the end), so an interru
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import hashlib
 import itertools
@@ -87,7 +90,7 @@ def header(args: argparse.Namespace) -> dict:
         "python": platform.python_version(),
         "date": datetime.date.today().isoformat(),
         "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs, no TPU",
-        "candidates": {"block_q": args.blocks, "block_k": args.blocks,
+        "candidates": {"block_q": args.blocks, "block_k": args.blocks, "block_k_major": args.majors,
                        "jax_flash": [list(c) for c in tuning.JAX_FLASH_CHOICES] if args.baseline else []},
         "grid": {"topologies": args.topologies, "seq": args.seq, "head_dim": args.head_dims, "dtype": args.dtype,
                  "causal": [False, True], "batch": args.batch, "heads": args.heads},
@@ -103,7 +106,8 @@ def check_kernel_unchanged(head: dict, entries: list[tuning.TuningResult], timeo
     head["recheck"] = []
     for entry in {id(e): e for e in with_best[:1] + with_best[-1:]}.values():
         again = tuning.estimate_trial(
-            "pallas", block_q=entry.best.block_q, block_k=entry.best.block_k, topology=entry.topology,
+            "pallas", block_q=entry.best.block_q, block_k=entry.best.block_k,
+            block_k_major=entry.best.block_k_major, topology=entry.topology,
             timeout=timeout, batch=entry.batch, heads=entry.heads, seq=entry.q_len, kv_seq=entry.kv_len,
             head_dim=entry.head_dim, dtype=entry.dtype, causal=entry.causal,
         )
@@ -132,6 +136,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seq", type=_ints, default=[1024, 2048, 4096])
     parser.add_argument("--head-dims", type=_ints, default=[128, 64])
     parser.add_argument("--blocks", type=_ints, default=list(tuning.BLOCK_CHOICES))
+    parser.add_argument("--majors", type=_ints, default=list(tuning.MAJOR_CHOICES),
+                        help="block_k_major values tried on top of each block_k (empty: none)")
+    parser.add_argument("--reuse-baseline", type=Path, default=None, metavar="PATH",
+                        help="copy JAX's flash_attention rows from this earlier table instead of compiling them")
+    parser.add_argument("--note", default="", help="a sentence added to the table's 'about'")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", type=int, default=8)
@@ -146,14 +155,28 @@ def main(argv: list[str] | None = None) -> None:
                  f"{'.'.join(map(str, estimate.MIN_LIBTPU))}): run this in the newest-jax environment (.venv)")
 
     head = header(args)
+    if args.note:
+        head["about"] += " " + args.note
+    reused: dict[tuning.TableKey, tuning.TuningResult] = {}
+    if args.reuse_baseline is not None:
+        reused = tuning.load_tuned_table(args.reuse_baseline)
+        earlier = json.loads(args.reuse_baseline.read_text())
+        head["baseline_from"] = (f"JAX flash_attention rows copied, not recompiled, from the table of "
+                                 f"{earlier.get('date')} (libtpu {earlier.get('libtpu')}, jax {earlier.get('jax')})")
     grid = list(itertools.product(args.topologies, args.head_dims, (False, True), args.seq))
     entries: list[tuning.TuningResult] = []
     for topology, head_dim, causal, seq in tuning.progress(
         grid, describe=lambda g: f"{g[0]} d={g[1]} causal={g[2]} T={g[3]}"
     ):
+        key = tuning.TableKey(topology.split(":")[0], args.dtype, causal, head_dim, seq, seq)
+        old = reused.get(key)
+        compile_baseline = args.baseline and old is None
         result = tuning.tune(seq, seq, head_dim, args.dtype, causal, topology, batch=args.batch, heads=args.heads,
-                             choices=args.blocks, baseline=tuning.JAX_FLASH_CHOICES if args.baseline else (),
+                             choices=args.blocks, majors=args.majors,
+                             baseline=tuning.JAX_FLASH_CHOICES if compile_baseline else (),
                              timeout=args.timeout, report=lambda line: print(line, flush=True))
+        if args.baseline and old is not None:
+            result = dataclasses.replace(result, baseline=old.baseline)
         entries.append(result)
         best, base = result.best, result.baseline_best
         print(f"  best: {best.label + f' {best.cycles:,}' if best else 'none'}; "

@@ -175,8 +175,10 @@ class BlockSizes:
         generation = current_generation() if generation is None else generation
         limit = vmem_limit_bytes(generation)  # also rejects an unknown generation
         tuned = tuning.lookup(q_len, kv_len, head_dim, dtype, causal, generation)
-        preferred = tuned.blocks() if tuned is not None else _PREFERRED_BLOCKS[generation]
-        sizes = cls(*preferred, generation=generation).fit(q_len, kv_len, dtype)
+        if tuned is not None:
+            sizes = dataclasses.replace(tuned, generation=generation).fit(q_len, kv_len, dtype)
+        else:
+            sizes = cls(*_PREFERRED_BLOCKS[generation], generation=generation).fit(q_len, kv_len, dtype)
         return sizes.shrunk_to(limit, head_dim, dtype)
 
     @property
