@@ -146,7 +146,8 @@ def estimate_row(impl: str, seq: int, args: argparse.Namespace, topology: str) -
     generation = topology.split(":")[0]
     if impl == "pallas":
         sizes, source = _pallas_blocks(seq, args.head_dim, args.dtype, args.causal, generation)
-        blocks, label = dict(block_q=sizes.block_q, block_k=sizes.block_k), f" ({source})"
+        blocks = dict(block_q=sizes.block_q, block_k=sizes.block_k, block_k_major=sizes.block_k_major)
+        label = f" ({source})"
     else:
         q, km, k = _jax_flash_blocks(seq, args.head_dim, args.dtype, args.causal, generation)
         blocks, label = dict(block_q=q, block_k_major=km, block_k=k), ""
