@@ -61,6 +61,10 @@ _F32_BYTES = 4  # m, l, the accumulator and the score tile are float32 whatever 
 # vmem_limit_bytes: beyond the buffers counted in `vmem_bytes`, libtpu 0.0.23 (Colab's) allocates up to
 # 3.2 such tiles, libtpu 0.0.50 up to 2.
 _SCORE_TILES = 3
+# With block_k_major, the kernel's sub-block loop is unrolled, and libtpu 0.0.23 keeps about one score tile
+# per sub-block live (1024/4096/512 bf16 on v5e: 24.5 MiB; libtpu 0.0.50 reuses them): half a tile more than
+# one per sub-block is counted when that exceeds _SCORE_TILES.
+_HALF_TILES_PER_SUB_BLOCK, _EXTRA_HALF_TILES = 2, 1
 # The same count for the backward kernels' [rows, lanes] score tiles (s, p, dp, ds, bf16 matmul operands),
 # bisected the same way: libtpu 0.0.23 holds up to 2.7 of them in dK/dV and 3.5 in dQ (when block_k >= 1024),
 # libtpu 0.0.50 about 2 and 1. See tests/test_block_sizes.py's backward sweep.
@@ -277,8 +281,9 @@ class BlockSizes:
           as lane-replicated ``[block_q, 128]`` tiles, and the accumulator ``[block_q, head_dim]``;
         * the body's f32 temporaries, far larger than the 64 vector registers: three ``[block_q, block_k]``
           tiles (scores, their max-shifted copy, probabilities; the mask and the bf16 matmul operand reuse
-          their space) and one ``[block_q, head_dim]`` tile (``p @ v`` before it joins the accumulator), for
-          one ``block_k`` sub-block at a time.
+          their space) and one ``[block_q, head_dim]`` tile (``p @ v`` before it joins the accumulator);
+          with ``block_k_major``, ``n + 1/2`` tiles for ``n`` sub-blocks when that is more (the old compiler
+          keeps one per unrolled sub-block).
 
         The backward kernels (:meth:`_backward_vmem_bytes`) count the same kinds of buffer.
 
@@ -299,7 +304,9 @@ class BlockSizes:
         )
         scratch = (2 * self.block_q * NUM_LANES + self.block_q * lanes) * _F32_BYTES  # m, l, acc
         scratch += self.block_q * lanes * itemsize  # the scaled query
-        temporaries = (_SCORE_TILES * self.block_q * self.block_k + self.block_q * lanes) * _F32_BYTES
+        sub_blocks = self.kv_step // self.block_k
+        half_tiles = max(2 * _SCORE_TILES, _HALF_TILES_PER_SUB_BLOCK * sub_blocks + _EXTRA_HALF_TILES)
+        temporaries = (half_tiles * self.block_q * self.block_k // 2 + self.block_q * lanes) * _F32_BYTES
         return double_buffered + scratch + temporaries
 
     def _backward_vmem_bytes(self, head_dim: int, dtype, kernel: str) -> int:
