@@ -44,7 +44,7 @@ from typing import Any, NamedTuple, TypeVar
 
 import jax.numpy as jnp
 
-from flashlib import cost, estimate, hardware
+from flashlib import cost, data, estimate, hardware
 from flashlib.kernels.block_sizes import GENERATIONS, BlockSizes
 
 __all__ = [
@@ -52,6 +52,7 @@ __all__ = [
     "JAX_FLASH_CHOICES",
     "MAJOR_CHOICES",
     "TABLE_PATH",
+    "table_path",
     "TableKey",
     "Trial",
     "TuningResult",
@@ -339,10 +340,23 @@ def _load(path: Path, mtime: float) -> dict[TableKey, TuningResult]:
     return {result.key: result for result in results}
 
 
+def table_path() -> Path:
+    """Where the tuned table is read from: ``tuning/forward_blocks.json`` in the folder
+    :func:`flashlib.data.data_dir` finds (``$FLASHLIB_DATA`` first: a pip-installed flashlib on Colab, whose
+    setup cell clones the repository and points it there), else :data:`TABLE_PATH` (a clone or an editable
+    install), which may be absent."""
+    try:
+        found = data.data_dir() / "tuning" / TABLE_PATH.name
+    except FileNotFoundError:
+        return TABLE_PATH
+    return found if found.exists() else TABLE_PATH
+
+
 def load_tuned_table(path: str | Path | None = None) -> dict[TableKey, TuningResult]:
-    """``{TableKey: TuningResult}`` from ``data/tuning/forward_blocks.json`` (or ``path``); ``{}`` when the file
-    is absent (a pip-installed flashlib has no ``data/``)."""
-    path = Path(TABLE_PATH if path is None else path)
+    """``{TableKey: TuningResult}`` from ``path``, by default :func:`table_path`; ``{}`` when the file is absent
+    (a pip-installed flashlib without the repository's ``data/``: the defaults fall back to the generation's
+    preferred blocks)."""
+    path = Path(table_path() if path is None else path)
     return _load(path, path.stat().st_mtime) if path.exists() else {}
 
 

@@ -169,6 +169,22 @@ def test_a_missing_table_is_empty(tmp_path):
     assert tuning.load_tuned_table(tmp_path / "absent.json") == {}
 
 
+def test_the_table_is_found_through_flashlib_data(tmp_path, monkeypatch):
+    # A pip-installed flashlib (Colab) has no data/ next to the package; the setup cell sets FLASHLIB_DATA.
+    from flashlib.data import DATA_ENV_VAR, DATA_FILE
+
+    (tmp_path / DATA_FILE).touch()
+    (tmp_path / "tuning").mkdir()
+    entries = json.loads(tuning.TABLE_PATH.read_text())
+    entries["entries"] = entries["entries"][:1]
+    (tmp_path / "tuning" / tuning.TABLE_PATH.name).write_text(json.dumps(entries))
+    monkeypatch.setenv(DATA_ENV_VAR, str(tmp_path))
+    assert tuning.table_path() == tmp_path / "tuning" / tuning.TABLE_PATH.name
+    assert len(tuning.load_tuned_table()) == 1
+    monkeypatch.setenv(DATA_ENV_VAR, str(tmp_path / "elsewhere"))  # no data there: the repository's table
+    assert tuning.table_path() == tuning.TABLE_PATH
+
+
 # ---------------------------------------------------------------------------------------------------
 # lookup: the nearest-entry rule
 # ---------------------------------------------------------------------------------------------------
