@@ -182,8 +182,9 @@ class BlockGrid(NamedTuple):
 
 
 def block_grid(source: TuningResult | Iterable[Row], generation: str | None = None) -> BlockGrid:
-    """A :class:`BlockGrid` from a tuned-table entry (its flashlib trials), or from ``block_sweep.csv`` rows
-    of one ``generation``."""
+    """A :class:`BlockGrid` from a tuned-table entry (its flashlib trials; a cell tried with several
+    ``block_k_major`` shows the fewest cycles among them), or from ``block_sweep.csv`` rows of one
+    ``generation``."""
     if isinstance(source, TuningResult):
         trials = [(t.block_q, t.block_k, t.status, t.cycles) for t in source.trials]
         floor, shape = source.mxu_floor, f"T={source.q_len} d={source.head_dim}" + (" causal" if source.causal else "")
@@ -201,9 +202,12 @@ def block_grid(source: TuningResult | Iterable[Row], generation: str | None = No
     status = np.full((len(block_qs), len(block_ks)), "", dtype=object)  # [nq, nk]
     for block_q, block_k, outcome, value in trials:
         i, j = block_qs.index(block_q), block_ks.index(block_k)
-        status[i, j] = outcome
+        # Several trials per cell (one per block_k_major): the cell shows the best that has an estimate.
         if outcome == "ok":
-            cycles[i, j] = value
+            if np.isnan(cycles[i, j]) or value < cycles[i, j]:
+                cycles[i, j], status[i, j] = value, outcome
+        elif not status[i, j]:
+            status[i, j] = outcome
     return BlockGrid(block_qs, block_ks, cycles, status, floor, title)
 
 

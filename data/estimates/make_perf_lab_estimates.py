@@ -2,15 +2,15 @@
 
 Both are libtpu's static cycle estimates (:func:`flashlib.estimate.estimate_cycles`, compiled ahead of time for
 a TPU target on a CPU machine, never timed on a TPU), for the attention forward ``[1, 8, seq, 128]`` bfloat16,
-not causal (libtpu 0.0.50's profiler crashes on flashlib's causal kernel on v5e), on v5e and v6e:
+not causal, on v5e and v6e:
 
 * ``block_sweep.csv`` — flashlib's Pallas kernel at ``seq = 2048`` for every ``block_q x block_k`` in 128, 256,
   512, 1024 (the tuning table starts at 256): how the estimate grows as the grid gets finer;
 * ``seq_sweep.csv`` — three implementations over ``seq`` = 128 .. 4096: ``xla`` (flashlib's ``impl="xla"``,
   ``jax.nn.dot_product_attention`` fused by XLA), ``pallas`` (flashlib's kernel, blocks from the tuned table
-  clamped to the sequence, else the default) and ``jax_flash`` (JAX's ``flash_attention``, blocks
-  ``q1024/km1024/k512`` clamped). Beside the cycles: the compiler's cost analysis of the same compile (FLOPs
-  and HBM bytes accessed), which places each implementation on the roofline.
+  clamped to the sequence, ``block_k_major`` included, else the default) and ``jax_flash`` (JAX's
+  ``flash_attention``, blocks ``q1024/km1024/k512`` clamped). Beside the cycles: the compiler's cost analysis
+  of the same compile (FLOPs and HBM bytes accessed), which places each implementation on the roofline.
 
 Needs libtpu >= 0.0.42 (the newest-jax environment); about ten minutes on two CPU cores::
 
@@ -94,7 +94,9 @@ def _blocks(impl: str, seq: int, generation: str) -> dict[str, int]:
         sizes = tuning.lookup(seq, seq, SHAPE["head_dim"], SHAPE["dtype"], SHAPE["causal"], generation)
         if sizes is None:
             sizes = BlockSizes.default(seq, seq, SHAPE["head_dim"], SHAPE["dtype"], generation=generation)
-        return dict(block_q=sizes.block_q, block_k=sizes.block_k)
+        if sizes.block_k_major is None:
+            return dict(block_q=sizes.block_q, block_k=sizes.block_k)
+        return dict(block_q=sizes.block_q, block_k_major=sizes.block_k_major, block_k=sizes.block_k)
     if impl == "jax_flash":
         block_q, block_k_major, block_k = (min(b, seq) for b in JAX_FLASH_BLOCKS)
         return dict(block_q=block_q, block_k_major=block_k_major, block_k=block_k)
