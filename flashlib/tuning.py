@@ -69,7 +69,7 @@ TABLE_PATH = Path(__file__).resolve().parents[1] / "data" / "tuning" / "forward_
 BLOCK_CHOICES: tuple[int, ...] = (256, 512, 1024)  # tried for block_q and for block_k
 MAJOR_CHOICES: tuple[int, ...] = (2048, 4096)  # block_k_major (keys per k/v copy) tried on top of one block_k
 # JAX's own flash_attention as a yardstick: (block_q, block_k_major, block_k), its best configurations in
-# /work/shared/reference/jax-kernel-tpu-estimates.md plus the plain 512 cube.
+# shared/reference/jax-kernel-tpu-estimates.md plus the plain 512 cube.
 JAX_FLASH_CHOICES: tuple[tuple[int, int, int], ...] = (
     (512, 512, 512), (1024, 1024, 1024), (512, 2048, 512), (1024, 2048, 512),
 )

@@ -32,7 +32,7 @@ COLUMNS = ("step", "change", "generation", "seq", "causal", "block_q", "block_k"
 BATCH, HEADS, HEAD_DIM, DTYPE = 1, 8, 128, "bfloat16"
 
 # JAX's flash_attention (jax.experimental.pallas.ops.tpu), best over its configurations, same libtpu 0.0.50
-# static estimate and shapes: /work/shared/reference/jax-kernel-tpu-estimates.md (measured 2026-11-29).
+# static estimate and shapes: shared/reference/jax-kernel-tpu-estimates.md (measured 2026-11-29).
 # Keyed by (generation, seq, causal).
 JAX_BEST: dict[tuple[str, int, bool], int] = {
     ("v5e", 2048, False): 178_098, ("v5e", 4096, False): 723_590,
