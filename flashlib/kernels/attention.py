@@ -18,12 +18,10 @@ import functools
 import jax
 from jax.experimental.pallas import tpu as pltpu
 
-from flashlib import env
-from flashlib.api import register, validate_inputs
+from flashlib.api import register
 from flashlib.kernels.block_sizes import BlockSizes
 from flashlib.kernels.tpu_backward import backward
-from flashlib.kernels.tpu_forward import _forward, check_options, resolve_block_sizes
-from flashlib.reference import default_scale
+from flashlib.kernels.tpu_forward import _forward, check_options, resolve_call
 
 __all__ = ["HIGHER_ORDER_MESSAGE", "flash_attention"]
 
@@ -58,11 +56,8 @@ def flash_attention(
     (None: derived from the forward sizes, :meth:`BlockSizes.for_backward`) are resolved and checked here,
     before anything is traced. With ``return_lse`` the log-sum-exp is differentiable too.
     """
-    shape = validate_inputs(q, k, v, scale=scale)
-    sizes = resolve_block_sizes(shape, block_sizes, causal)
-    sizes = sizes.for_backward(shape.q_len, shape.kv_len, shape.head_dim, shape.dtype)
-    scale = default_scale(shape.head_dim) if scale is None else float(scale)
-    interpret = env.interpret_default() if interpret is None else interpret
+    _, sizes, scale, interpret = resolve_call(q, k, v, causal=causal, scale=scale, block_sizes=block_sizes,
+                                              interpret=interpret, backward=True)
     return _attention(q, k, v, bool(causal), scale, sizes, interpret, bool(return_lse))
 
 

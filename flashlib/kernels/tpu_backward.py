@@ -47,8 +47,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from flashlib import cost, env
-from flashlib.api import validate_inputs
+from flashlib import cost
 from flashlib.blockwise import pad_to_multiple
 from flashlib.kernels.block_sizes import (
     MASK_VALUE,
@@ -59,8 +58,8 @@ from flashlib.kernels.block_sizes import (
     round_up,
     vmem_limit_bytes,
 )
-from flashlib.kernels.tpu_forward import NT_DIMS, _lanes_to, resolve_block_sizes
-from flashlib.reference import causal_visible, default_scale
+from flashlib.kernels.tpu_forward import NT_DIMS, _lanes_to, resolve_call
+from flashlib.reference import causal_visible
 
 __all__ = ["FUSED_DQ_MAX_BYTES", "NO_KEY_LSE", "flash_attention_backward"]
 
@@ -442,12 +441,9 @@ def flash_attention_backward(
       fuse_dq: True: the dK/dV kernel does dQ too (5 matmuls per score, not 7); False: the separate dQ
         kernel; None: fused while a head's dQ^T fits :data:`FUSED_DQ_MAX_BYTES`.
     """
-    shape = validate_inputs(q, k, v, scale=scale)
-    sizes = resolve_block_sizes(shape, block_sizes, causal)
-    sizes = sizes.for_backward(shape.q_len, shape.kv_len, shape.head_dim, shape.dtype)
+    shape, sizes, scale, interpret = resolve_call(q, k, v, causal=causal, scale=scale, block_sizes=block_sizes,
+                                                  interpret=interpret, backward=True)
     _fuses_dq(sizes, shape.q_len, shape.kv_len, shape.head_dim, fuse_dq)  # a ValueError now, not when traced
-    scale = default_scale(shape.head_dim) if scale is None else float(scale)
-    interpret = env.interpret_default() if interpret is None else interpret
     return backward(q, k, v, out, lse, do, dlse, causal=bool(causal), scale=scale, sizes=sizes, interpret=interpret,
                     fuse_dq=fuse_dq)
 

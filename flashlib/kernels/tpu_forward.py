@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +38,7 @@ from flashlib.blockwise import pad_to_multiple
 from flashlib.kernels.block_sizes import MASK_VALUE, NUM_LANES, BlockSizes
 from flashlib.reference import default_scale
 
-__all__ = ["check_options", "flash_attention_forward", "resolve_block_sizes"]
+__all__ = ["check_options", "flash_attention_forward", "resolve_block_sizes", "resolve_call"]
 
 LOG2_E = 1.0 / math.log(2.0)  # exp(x) = exp2(x * log2(e))
 LN_2 = math.log(2.0)
@@ -152,6 +152,29 @@ def _forward_kernel(
             lse_ref[...] = LN_2 * m_ref[...] + jnp.log(l)  # [block_q, 128]   log(0) = -inf: a row that saw no key
 
 
+class ResolvedCall(NamedTuple):
+    """What a kernel call runs with, checked before anything is traced."""
+
+    shape: AttentionShape
+    sizes: BlockSizes
+    scale: float
+    interpret: Any  # bool | pltpu.InterpretParams
+
+
+def resolve_call(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, scale: float | None,
+                 block_sizes: BlockSizes | None, interpret: Any, backward: bool = False) -> ResolvedCall:
+    """Validate ``q, k, v`` and resolve a call's options: the block sizes (:func:`resolve_block_sizes`, and
+    with ``backward`` their backward fields, :meth:`BlockSizes.for_backward`), the scale (None: 1/sqrt(d))
+    and the interpret mode (None: :func:`flashlib.env.interpret_default`)."""
+    shape = validate_inputs(q, k, v, scale=scale)
+    sizes = resolve_block_sizes(shape, block_sizes, causal)
+    if backward:
+        sizes = sizes.for_backward(shape.q_len, shape.kv_len, shape.head_dim, shape.dtype)
+    scale = default_scale(shape.head_dim) if scale is None else float(scale)
+    interpret = env.interpret_default() if interpret is None else interpret
+    return ResolvedCall(shape, sizes, scale, interpret)
+
+
 def resolve_block_sizes(shape: AttentionShape, block_sizes: BlockSizes | None, causal: bool = False) -> BlockSizes:
     """The block sizes the kernel will run for ``shape``: the default, or ``block_sizes`` clamped to the
     sequence lengths (:meth:`BlockSizes.fit`), checked against the dtype's tiling rule and the VMEM budget."""
@@ -208,10 +231,8 @@ def flash_attention_forward(
     This is the forward kernel alone; :func:`flashlib.kernels.flash_attention` (``impl="pallas"``) joins it
     with the backward kernels so that ``jax.grad`` works.
     """
-    shape = validate_inputs(q, k, v, scale=scale)
-    sizes = resolve_block_sizes(shape, block_sizes, causal)
-    scale = default_scale(shape.head_dim) if scale is None else float(scale)
-    interpret = env.interpret_default() if interpret is None else interpret
+    _, sizes, scale, interpret = resolve_call(q, k, v, causal=causal, scale=scale, block_sizes=block_sizes,
+                                              interpret=interpret)
     return _forward(q, k, v, causal=bool(causal), scale=scale, sizes=sizes, interpret=interpret, return_lse=return_lse)
 
 
