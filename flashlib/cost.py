@@ -11,9 +11,11 @@ Two views, one set of functions:
 
 The backward pass has the same two views (``attention_backward_*``). The algorithm recomputes ``P`` from
 q, k and the saved log-sum-exp and needs five matmuls per score (``s``, ``dP``, ``dV``, ``dQ``, ``dK``):
-2.5x the forward's two. flashlib's kernels split the work in two so that each output has one owner — dK/dV
-iterates over query blocks, dQ over key blocks — and both recompute ``s`` and ``dP``: 4 + 3 = 7 matmuls,
-3.5x the forward, in exchange for no atomic or cross-step accumulation of dQ.
+2.5x the forward's two. flashlib's kernels come in two layouts (:data:`BACKWARD_KERNELS`). By default ONE
+``"fused"`` kernel iterates over query blocks per key block and keeps a whole head's dQ^T in VMEM: the five
+matmuls, no more. When dQ^T does not fit, the work is split so that each output has one owner — ``"dkv"``
+iterates over query blocks, ``"dq"`` over key blocks — and both recompute ``s`` and ``dP``: 4 + 3 = 7
+matmuls, 3.5x the forward, in exchange for no cross-step accumulation of dQ.
 
 The block geometry of a causal grid lives here too (:func:`block_is_visible`, :func:`block_needs_mask`,
 :func:`last_key_seen`, :func:`first_query_seeing`), written with plain arithmetic so the same function
@@ -47,9 +49,10 @@ __all__ = [
 _F32_BYTES = 4
 _MATMULS = 2  # s = q k^T and o = p v
 _FLOPS_PER_MAC = 2
-BACKWARD_KERNELS: tuple[str, ...] = ("dkv", "dq")
+BACKWARD_KERNELS: tuple[str, ...] = ("dkv", "dq", "fused")  # the split pair, or dK/dV doing dQ too
+_SPLIT_KERNELS = ("dkv", "dq")  # what kernel=None counts
 _BACKWARD_MATMULS = 5  # the algorithm: s = q k^T, dP = dO v^T, dV = P^T dO, dQ = dS k, dK = dS^T q
-_KERNEL_MATMULS = {"dkv": 4, "dq": 3}  # dK/dV: s, dP, dV, dK; dQ: s, dP, dQ
+_KERNEL_MATMULS = {"dkv": 4, "dq": 3, "fused": 5}  # dK/dV: s, dP, dV, dK; dQ: s, dP, dQ; fused: all five
 _ROW_STATS = 2  # lse and D, each an f32 [8, block_q] row block in the backward kernels
 
 
@@ -233,14 +236,25 @@ def attention_bytes(
 
 
 def _backward_kernels(block_sizes: BlockSizes | None, kernel: str | None) -> tuple[str, ...]:
-    """The kernels to count: both, or the one named; ``kernel`` needs ``block_sizes``."""
+    """The kernels to count: the split pair (None), or the one named; ``kernel`` needs ``block_sizes``."""
     if kernel is None:
-        return BACKWARD_KERNELS
+        return _SPLIT_KERNELS
     if kernel not in BACKWARD_KERNELS:
-        raise ValueError(f"kernel must be one of {', '.join(BACKWARD_KERNELS)} or None (both), got {kernel!r}")
+        raise ValueError(f"kernel must be one of {', '.join(BACKWARD_KERNELS)} or None (dkv + dq), got {kernel!r}")
     if block_sizes is None:
         raise ValueError(f"kernel={kernel!r} counts a kernel as it runs: pass its block_sizes too")
     return (kernel,)
+
+
+def _kernel_blocks(block_sizes: BlockSizes, kernel: str) -> tuple[int, int]:
+    """``(block_q, block_k)`` a backward kernel runs on: the fused kernel is the dK/dV kernel's grid."""
+    return block_sizes.blocks("dkv" if kernel == "fused" else kernel)
+
+
+def _visited_scores(q_len: int, kv_len: int, causal: bool, block_sizes: BlockSizes, kernel: str) -> int:
+    """Scores one head's ``kernel`` computes: every visited block in full."""
+    block_q, block_k = _kernel_blocks(block_sizes, kernel)
+    return visited_blocks(q_len, kv_len, block_q, block_k, causal) * block_q * block_k
 
 
 def attention_backward_flops(
@@ -256,17 +270,14 @@ def attention_backward_flops(
     """Backward matmul FLOPs: ``5 matmuls x 2 flops x head_dim`` per visible score (2.5x the forward).
 
     With ``block_sizes`` (resolved, :meth:`BlockSizes.for_backward`): the kernels as they run, every
-    visited block in full — dK/dV does 4 matmuls per score, dQ 3 (``kernel=`` picks one; None sums both).
+    visited block in full — dK/dV does 4 matmuls per score, dQ 3, the fused kernel 5 (``kernel=`` picks one;
+    None sums the split pair).
     """
     kernels = _backward_kernels(block_sizes, kernel)
     if block_sizes is None:
         return batch * heads * visible_pairs(q_len, kv_len, causal) * _BACKWARD_MATMULS * _FLOPS_PER_MAC * head_dim
-    total = 0
-    for name in kernels:
-        bq, bk = block_sizes.blocks(name)
-        scores = visited_blocks(q_len, kv_len, bq, bk, causal) * bq * bk
-        total += batch * heads * scores * _KERNEL_MATMULS[name] * _FLOPS_PER_MAC * head_dim
-    return total
+    return sum(batch * heads * _visited_scores(q_len, kv_len, causal, block_sizes, name) * _KERNEL_MATMULS[name]
+               * _FLOPS_PER_MAC * head_dim for name in kernels)
 
 
 def attention_backward_transcendentals(
@@ -285,11 +296,7 @@ def attention_backward_transcendentals(
     kernels = _backward_kernels(block_sizes, kernel)
     if block_sizes is None:
         return batch * heads * visible_pairs(q_len, kv_len, causal)
-    total = 0
-    for name in kernels:
-        bq, bk = block_sizes.blocks(name)
-        total += batch * heads * visited_blocks(q_len, kv_len, bq, bk, causal) * bq * bk
-    return total
+    return sum(batch * heads * _visited_scores(q_len, kv_len, causal, block_sizes, name) for name in kernels)
 
 
 def attention_backward_bytes(
@@ -311,7 +318,9 @@ def attention_backward_bytes(
     * dK/dV reads k and v once and writes dK and dV once; it re-reads q, dO, lse and D once per key block
       (:func:`q_block_fetches`);
     * dQ reads q, dO, lse and D once and writes dQ once; it re-reads k and v once per query block
-      (:func:`kv_block_fetches`).
+      (:func:`kv_block_fetches`);
+    * the fused kernel moves what dK/dV does, and reads k^T once and writes dQ^T once (the transposes
+      around it are XLA ops outside the kernel).
     """
     itemsize = np.dtype(dtype).itemsize
     kernels = _backward_kernels(block_sizes, kernel)
@@ -320,11 +329,13 @@ def attention_backward_bytes(
         return batch * heads * (elements * itemsize + q_len * _F32_BYTES)
     total = 0
     for name in kernels:
-        bq, bk = block_sizes.blocks(name)
-        if name == "dkv":
+        bq, bk = _kernel_blocks(block_sizes, name)
+        if name in ("dkv", "fused"):
             q_rows = q_block_fetches(q_len, kv_len, bq, bk, causal) * bq  # q, dO, lse, D re-read
             kv_rows = round_up(kv_len, bk)  # k, v read and dK, dV written once
             per_head = (2 * q_rows + 4 * kv_rows) * head_dim * itemsize
+            if name == "fused":
+                per_head += (kv_rows + round_up(q_len, bq)) * head_dim * itemsize  # k^T read, dQ^T written
         else:
             q_rows = round_up(q_len, bq)  # q, dO, lse, D read and dQ written once
             kv_rows = kv_block_fetches(q_len, kv_len, bq, bk, causal) * bk  # k, v re-read

@@ -226,8 +226,6 @@ def _dkv(q, k, v, do, lse_rows, d_rows, *, causal: bool, scale: float, q_len: in
         pltpu.VMEM((block_k, head_dim), jnp.float32),  # dK accumulator
         pltpu.VMEM((block_k, head_dim), jnp.float32),  # dV accumulator
     ]
-    flops = cost.attention_backward_flops(*dims, block_sizes=sizes, kernel="dkv")
-    bytes_accessed = cost.attention_backward_bytes(*dims, q.dtype, block_sizes=sizes, kernel="dkv")
     semantics, extra_params = (PARALLEL, PARALLEL, PARALLEL, ARBITRARY), {}
     if with_dq:
         def k_t_index_map(b, h, j, i):
@@ -246,8 +244,7 @@ def _dkv(q, k, v, do, lse_rows, d_rows, *, causal: bool, scale: float, q_len: in
         semantics = (PARALLEL, PARALLEL, ARBITRARY, ARBITRARY)  # dQ^T sums over the key blocks
         extra_params["vmem_limit_bytes"] = vmem_limit_bytes(sizes.generation) + _fused_vmem_bytes(
             q_padded_len, head_dim, block_q, block_k, q.dtype)
-        flops += flops // 4  # one matmul more over the same blocks as dK/dV's four
-        bytes_accessed += (k.size + q.size) * q.dtype.itemsize  # k^T read once, dQ^T written once
+    counted_as = "fused" if with_dq else "dkv"  # its pl.CostEstimate, from flashlib.cost
     kernel = functools.partial(
         _dkv_kernel, causal=causal, scale=scale, q_len=q_len, kv_len=kv_len,
         has_padding=num_kv_blocks * block_k != kv_len, with_dq=with_dq,
@@ -261,9 +258,9 @@ def _dkv(q, k, v, do, lse_rows, d_rows, *, causal: bool, scale: float, q_len: in
         scratch_shapes=scratch_shapes,
         compiler_params=pltpu.CompilerParams(dimension_semantics=semantics, **extra_params),
         cost_estimate=pl.CostEstimate(
-            flops=flops,
-            transcendentals=cost.attention_backward_transcendentals(*dims, block_sizes=sizes, kernel="dkv"),
-            bytes_accessed=bytes_accessed,
+            flops=cost.attention_backward_flops(*dims, block_sizes=sizes, kernel=counted_as),
+            transcendentals=cost.attention_backward_transcendentals(*dims, block_sizes=sizes, kernel=counted_as),
+            bytes_accessed=cost.attention_backward_bytes(*dims, q.dtype, block_sizes=sizes, kernel=counted_as),
         ),
         interpret=interpret,
         name="flash_attention_dkv" + ("_dq" if with_dq else "") + ("_causal" if causal else ""),
