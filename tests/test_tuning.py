@@ -125,12 +125,12 @@ def test_the_committed_table_loads_and_says_where_it_came_from():
         assert key.generation in GENERATIONS and entry.key == key
         assert {t.status for t in entry.trials} <= set(tuning.STATUSES)
         assert all(t.cycles > 0 for t in entry.trials + entry.baseline if t.ok)
-    # every point of the grid the header declares, which covers both generations, head_dim 128 and 1k-4k tokens
+    # every point of the grid the header declares, which covers both generations, head_dim 128 and 1k-8k tokens
     # (head_dim 64 may be left out: libtpu 0.0.50's profiler crashes on it for every kernel, and "about" says so)
     declared = data["grid"]
     generations = {topology.split(":")[0] for topology in declared["topologies"]}
     assert generations >= set(GENERATIONS) and 128 in declared["head_dim"]
-    assert {1024, 2048, 4096} <= set(declared["seq"]) and set(declared["causal"]) == {False, True}
+    assert {1024, 2048, 4096, 8192} <= set(declared["seq"]) and set(declared["causal"]) == {False, True}
     if 64 not in declared["head_dim"]:
         assert "head_dim=64" in data["about"]
     grid = {(k.generation, k.head_dim, k.causal, k.q_len) for k in table}
@@ -183,6 +183,35 @@ def test_the_table_is_found_through_flashlib_data(tmp_path, monkeypatch):
     assert len(tuning.load_tuned_table()) == 1
     monkeypatch.setenv(DATA_ENV_VAR, str(tmp_path / "elsewhere"))  # no data there: the repository's table
     assert tuning.table_path() == tuning.TABLE_PATH
+
+
+def _table_script():
+    """``data/tuning/make_tuned_table.py`` as a module (it is a script, not part of the package)."""
+    spec = importlib.util.spec_from_file_location("make_tuned_table", TABLE_SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+TABLE_SCRIPT = tuning.TABLE_PATH.parent / "make_tuned_table.py"
+
+
+@pytest.mark.skipif(not TABLE_SCRIPT.exists(), reason="the table script is in the repository, not the package")
+def test_a_table_made_in_pieces_keeps_only_comparable_finished_tables(tmp_path):
+    script = _table_script()
+    committed = json.loads(tuning.TABLE_PATH.read_text())
+    head = {"libtpu": committed["libtpu"], "candidates": committed["candidates"]}
+    piece = tmp_path / "piece.json"
+    piece.write_text(json.dumps(committed))
+    kept = script.load_kept([piece], head)
+    assert len(kept) == len(committed["entries"]) and {name for name, _ in kept.values()} == {"piece.json"}
+    assert head["kept_from"][0]["entries"] == len(kept) and "/tmp" not in head["kept_from"][0]["made_by"]
+    for field, value in (("libtpu", "0.0.1"), ("complete", False)):  # other cycles, or an interrupted run
+        piece.write_text(json.dumps({**committed, field: value}))
+        with pytest.raises(SystemExit, match="libtpu" if field == "libtpu" else "did not finish"):
+            script.load_kept([piece], dict(head))
+    # a scratch table is named, not located, in the committed header
+    assert script._shown(str(piece)) == "<piece.json>" and script._shown("--keep") == "--keep"
 
 
 # ---------------------------------------------------------------------------------------------------
