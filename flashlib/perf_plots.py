@@ -33,7 +33,7 @@ from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator
 from flashlib import cost, hardware
 from flashlib.kernels.block_sizes import MIB, BlockSizes, vmem_limit_bytes
 from flashlib.tuning import TuningResult
-from flashlib.viz import PALETTE, SERIES_COLORS, _figure_and_axes
+from flashlib.viz.figures import PALETTE, SERIES_COLORS, figure_and_axes
 
 __all__ = [
     "BlockGrid", "RooflinePoint", "StepCostFit", "block_grid", "fit_step_cost", "group_steps", "plot_block_cycles",
@@ -136,7 +136,7 @@ def plot_roofline(points: Sequence[RooflinePoint], generation: str, ax: Axes | N
     labelled with its length, so the eye follows each implementation as the sequence grows.
     """
     chip = hardware.CHIPS[generation]
-    fig, ax = _figure_and_axes(ax, (6.5, 4.6))
+    fig, ax = figure_and_axes(ax, (6.5, 4.6))
     intensities = [p.intensity for p in points] or [chip.ridge_point]
     x = np.geomspace(min(min(intensities), chip.ridge_point) / 4, max(max(intensities), chip.ridge_point) * 4, 200)
     ceiling = np.minimum(chip.peak_bf16_flops, chip.hbm_bandwidth * x) / 1e12  # [200] TFLOP/s
@@ -217,7 +217,7 @@ _STATUS_LABELS = {"refused": "refused\n(VMEM)", "profiler_crash": "profiler\ncra
 def plot_block_cycles(grid: BlockGrid, ax: Axes | None = None, title: str | None = None) -> Figure:
     """Heat map of estimated cycles over ``block_q`` (rows) x ``block_k`` (columns), each cell labelled with
     its cycles and its multiple of the best; the best is framed, cells without an estimate say why."""
-    fig, ax = _figure_and_axes(ax, (1.6 + 1.25 * len(grid.block_ks), 1.2 + 0.9 * len(grid.block_qs)))
+    fig, ax = figure_and_axes(ax, (1.6 + 1.25 * len(grid.block_ks), 1.2 + 0.9 * len(grid.block_qs)))
     ok = ~np.isnan(grid.cycles)
     if ok.any():
         low, high = np.nanmin(grid.cycles), np.nanmax(grid.cycles)
@@ -267,7 +267,7 @@ def plot_step_cost(rows: Iterable[Row], fit: StepCostFit, ax: Axes | None = None
     """Estimated cycles against grid steps (one point per ``block_q x block_k``, labelled) with the fitted line:
     its slope is the fixed cost of one grid step."""
     ok = [r for r in rows if r["status"] == "ok"]
-    fig, ax = _figure_and_axes(ax, (6.5, 4.4))
+    fig, ax = figure_and_axes(ax, (6.5, 4.4))
     steps = np.array([r["grid_steps"] for r in ok])  # [n]
     ax.scatter(steps, [r["cycles"] for r in ok], color=SERIES_COLORS[1], zorder=3)
     fewest = min(ok, key=lambda r: r["cycles"])
@@ -292,7 +292,7 @@ def plot_vmem_by_blocks(head_dim: int, dtype, block_qs: Sequence[int] = (128, 25
                         title: str | None = None) -> Figure:
     """flashlib's VMEM estimate (:meth:`BlockSizes.vmem_bytes`) against ``block_k``, one line per ``block_q``,
     under the scoped-VMEM limit of each generation (horizontal lines)."""
-    fig, ax = _figure_and_axes(ax, (7.5, 4.4))
+    fig, ax = figure_and_axes(ax, (7.5, 4.4))
     for block_q, color in zip(block_qs, cycle(SERIES_COLORS[1:] + SERIES_COLORS[:1])):
         mib = [BlockSizes(block_q, block_k).vmem_bytes(head_dim, dtype) / MIB for block_k in block_ks]
         ax.plot(block_ks, mib, "o-", color=color, ms=4, label=f"block_q={block_q}")
@@ -322,7 +322,7 @@ def plot_seq_sweep(rows: Iterable[Row], generation: str, baseline: str = "xla", 
     every MXU busy every cycle); above each length, flashlib's cycles over ``baseline``'s (below 1, in green:
     flashlib's kernel is estimated faster)."""
     rows = select(rows, generation=generation, status="ok")
-    fig, ax = _figure_and_axes(ax, (6.8, 4.6))
+    fig, ax = figure_and_axes(ax, (6.8, 4.6))
     seqs = sorted({r["seq"] for r in rows})
     for impl in dict.fromkeys(r["impl"] for r in rows):
         mine = sorted(select(rows, impl=impl), key=lambda r: r["seq"])
@@ -380,7 +380,7 @@ def plot_optimisation_steps(rows: Sequence[Row], value: str = "cycles", baseline
     first row that has them."""
     if not rows:
         raise ValueError("plot_optimisation_steps needs at least one row: select one shape from the steps table")
-    fig, ax = _figure_and_axes(ax, (1.8 + 1.1 * len(rows), 4.4))
+    fig, ax = figure_and_axes(ax, (1.8 + 1.1 * len(rows), 4.4))
     values = np.array([r[value] for r in rows], dtype=np.float64)  # [steps]
     x = np.arange(len(rows))
     ax.bar(x, values, color=[SERIES_COLORS[0]] + [SERIES_COLORS[1]] * (len(rows) - 1), width=0.65)
@@ -405,7 +405,7 @@ def plot_steps_vs_baseline(story: Mapping[tuple[Any, ...], Sequence[Row]], value
                            baseline: str = "jax_best", ax: Axes | None = None, title: str | None = None) -> Figure:
     """All shapes of a :func:`group_steps` story on one chart: ``value`` over ``baseline`` (JAX's best) at each
     step, one line per shape; below the dashed line at 1, flashlib's kernel is estimated faster than JAX's."""
-    fig, ax = _figure_and_axes(ax, (7.5, 4.4))
+    fig, ax = figure_and_axes(ax, (7.5, 4.4))
     order = list(dict.fromkeys(row["step"] for rows in story.values() for row in rows))  # steps as first recorded
     for (shape, rows), color in zip(story.items(), cycle(SERIES_COLORS[1:] + SERIES_COLORS[:1])):
         shared = _first_number(rows, baseline)
