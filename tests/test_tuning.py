@@ -200,15 +200,17 @@ TABLE_SCRIPT = tuning.TABLE_PATH.parent / "make_tuned_table.py"
 def test_a_table_made_in_pieces_keeps_only_comparable_finished_tables(tmp_path):
     script = _table_script()
     committed = json.loads(tuning.TABLE_PATH.read_text())
-    head = {"libtpu": committed["libtpu"], "candidates": committed["candidates"]}
+    head = {"libtpu": committed["libtpu"], "candidates": committed["candidates"], "grid": committed["grid"]}
     piece = tmp_path / "piece.json"
     piece.write_text(json.dumps(committed))
     kept = script.load_kept([piece], head)
     assert len(kept) == len(committed["entries"]) and {name for name, _ in kept.values()} == {"piece.json"}
     assert head["kept_from"][0]["entries"] == len(kept) and "/tmp" not in head["kept_from"][0]["made_by"]
-    for field, value in (("libtpu", "0.0.1"), ("complete", False)):  # other cycles, or an interrupted run
-        piece.write_text(json.dumps({**committed, field: value}))
-        with pytest.raises(SystemExit, match="libtpu" if field == "libtpu" else "did not finish"):
+    other_heads = {**committed["grid"], "heads": committed["grid"]["heads"] + 1}
+    for change, why in (({"libtpu": "0.0.1"}, "its libtpu"), ({"grid": other_heads}, "its heads"),  # other cycles
+                        ({"complete": False}, "did not finish")):  # or an interrupted run
+        piece.write_text(json.dumps({**committed, **change}))
+        with pytest.raises(SystemExit, match=why):
             script.load_kept([piece], dict(head))
     # a scratch table is named, not located, in the committed header
     assert script._shown(str(piece)) == "<piece.json>" and script._shown("--keep") == "--keep"

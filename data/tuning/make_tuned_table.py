@@ -158,8 +158,8 @@ def check_kernel_unchanged(head: dict, entries: list[tuning.TuningResult], sourc
 
 
 def load_kept(paths: list[Path], head: dict) -> dict[tuning.TableKey, tuple[str, tuning.TuningResult]]:
-    """``{key: (table name, entry)}`` from earlier tables, kept as they are: same libtpu and candidates as this
-    run, else an error (their cycles would not compare). A later table wins on a shared key;
+    """``{key: (table name, entry)}`` from earlier tables, kept as they are: same libtpu, candidates, batch and
+    heads as this run, else an error (their cycles would not compare). A later table wins on a shared key;
     ``head["kept_from"]`` says what came from where."""
     kept: dict[tuning.TableKey, tuple[str, tuning.TuningResult]] = {}
     head["kept_from"] = []
@@ -167,9 +167,13 @@ def load_kept(paths: list[Path], head: dict) -> dict[tuning.TableKey, tuple[str,
         earlier = json.loads(path.read_text())
         if not earlier.get("complete"):
             sys.exit(f"--keep {path}: that run did not finish (\"complete\": false); finish or rerun it")
-        for field in ("libtpu", "candidates"):
-            if earlier.get(field) != head[field]:
-                sys.exit(f"--keep {path}: its {field} {earlier.get(field)!r} is not this run's {head[field]!r}; "
+        theirs, ours = earlier.get("grid", {}), head["grid"]
+        for field, their, our in (("libtpu", earlier.get("libtpu"), head["libtpu"]),
+                                  ("candidates", earlier.get("candidates"), head["candidates"]),
+                                  ("batch", theirs.get("batch"), ours["batch"]),
+                                  ("heads", theirs.get("heads"), ours["heads"])):
+            if their != our:
+                sys.exit(f"--keep {path}: its {field} {their!r} is not this run's {our!r}; "
                          f"rerun those shapes instead of keeping them")
         table = tuning.load_tuned_table(path)
         kept.update({key: (path.name, result) for key, result in table.items()})
