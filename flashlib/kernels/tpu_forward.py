@@ -99,6 +99,7 @@ def _forward_kernel(
             col = lax.broadcasted_iota(jnp.int32, shape, 1)  # [chunk_rows, block_k]
             key_offset = kv_block * block_k  # position of this sub-block's first key
             visible = col < kv_len - key_offset  # [chunk_rows, block_k]   padded keys are never seen
+            # (tpu_backward._mask_scores is the same rule in absolute positions, which the backward prefers)
             if causal:  # key j visible to query i when j <= i + kv_len - q_len, relative to the tile's corner
                 query_offset = q_block * block_q + row_chunk * chunk_rows
                 visible &= col - row <= query_offset - key_offset + (kv_len - q_len)
