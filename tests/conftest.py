@@ -1,4 +1,5 @@
-"""Shared test set-up: CPU only, deterministic keys, hypothesis profiles, the ``tpu`` marker."""
+"""Shared test set-up: CPU only, deterministic keys, hypothesis profiles, the ``tpu`` marker, the
+picture tests' fixtures and marks."""
 
 from __future__ import annotations
 
@@ -59,6 +60,35 @@ def tpu_race_state():
 def qkv():
     """The factory :func:`make_qkv` as a fixture."""
     return make_qkv
+
+
+@pytest.fixture
+def no_open_figures():
+    """Every function leaves pyplot's registry as it found it (figures are closed once made)."""
+    import matplotlib.pyplot as plt
+
+    before = plt.get_fignums()
+    yield
+    assert plt.get_fignums() == before
+
+
+@pytest.fixture
+def shown(monkeypatch) -> list:
+    """The figures the widgets hand to ``display``, in order."""
+    from flashlib import widgets
+
+    figures: list = []
+    monkeypatch.setattr(widgets, "_show", figures.append)
+    return figures
+
+
+# The marks of a module that draws: every test leaves no figure open, and third-party noise on the Colab
+# pins (matplotlib 3.10 + new pyparsing, ipywidgets 7 + new ipykernel) is not an error.
+PICTURE_TEST_MARKS = [
+    pytest.mark.usefixtures("no_open_figures"),
+    pytest.mark.filterwarnings("ignore:.*deprecated.*use '.*':DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning:ipywidgets.*"),
+]
 
 
 def pytest_collection_modifyitems(config, items):

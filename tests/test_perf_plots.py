@@ -9,30 +9,18 @@ matplotlib.use("Agg")  # before pyplot is imported anywhere: no display needed
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from conftest import PICTURE_TEST_MARKS  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 from flashlib import hardware, perf_plots, tuning, widgets  # noqa: E402
 from flashlib.kernels.block_sizes import MIB, BlockSizes  # noqa: E402
 
-pytestmark = [  # third-party noise on the Colab pins (matplotlib 3.10 + new pyparsing, ipywidgets 7 + new ipykernel)
-    pytest.mark.filterwarnings("ignore:.*deprecated.*use '.*':DeprecationWarning"),
-    pytest.mark.filterwarnings("ignore::DeprecationWarning:ipywidgets.*"),
-]
+pytestmark = PICTURE_TEST_MARKS
 
 ESTIMATES = tuning.TABLE_PATH.parents[1] / "estimates"
 BLOCK_SWEEP = perf_plots.read_table(ESTIMATES / "block_sweep.csv")
 SEQ_SWEEP = perf_plots.read_table(ESTIMATES / "seq_sweep.csv")
 TABLE = tuning.load_tuned_table()
-
-
-@pytest.fixture(autouse=True)
-def _no_open_figures():
-    """Every function leaves pyplot's registry as it found it (figures are closed once made)."""
-    import matplotlib.pyplot as plt
-
-    before = plt.get_fignums()
-    yield
-    assert plt.get_fignums() == before
 
 
 def _texts(fig: Figure) -> str:
@@ -215,14 +203,6 @@ def test_steps_table_ratios():
 
 
 # -- the widget ------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def shown(monkeypatch) -> list[Figure]:
-    """The figures the widgets hand to ``display``, in order."""
-    figures: list[Figure] = []
-    monkeypatch.setattr(widgets, "_show", figures.append)
-    return figures
 
 
 def test_block_size_explorer_redraws_from_the_table(shown):

@@ -8,24 +8,12 @@ matplotlib.use("Agg")  # before pyplot is imported anywhere: no display needed
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from conftest import PICTURE_TEST_MARKS  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 from flashlib import viz, widgets  # noqa: E402
 
-pytestmark = [  # third-party noise on the Colab pins (matplotlib 3.10 + new pyparsing, ipywidgets 7 + new ipykernel)
-    pytest.mark.filterwarnings("ignore:.*deprecated.*use '.*':DeprecationWarning"),
-    pytest.mark.filterwarnings("ignore::DeprecationWarning:ipywidgets.*"),
-]
-
-
-@pytest.fixture(autouse=True)
-def _no_open_figures():
-    """Every function leaves pyplot's registry as it found it (figures are closed once made)."""
-    import matplotlib.pyplot as plt
-
-    before = plt.get_fignums()
-    yield
-    assert plt.get_fignums() == before
+pytestmark = PICTURE_TEST_MARKS
 
 
 def _scores(n: int = 20, seed: int = 0) -> np.ndarray:
@@ -237,14 +225,6 @@ def test_filmstrip_animation_and_jshtml():
 
 
 # -- widgets ---------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def shown(monkeypatch) -> list[Figure]:
-    """The figures the widgets hand to ``display``, in order."""
-    figures: list[Figure] = []
-    monkeypatch.setattr(widgets, "_show", figures.append)
-    return figures
 
 
 def _slider(box):
