@@ -18,18 +18,23 @@ IMPLS = list(flashlib.implementations())
 # cover it in depth); the others sweep the full range the contract promises.
 FAST_IMPLS = [name for name in IMPLS if name != "pallas"]
 
-shapes = st.fixed_dictionaries(
-    {
-        "batch": st.integers(1, 3),
-        "heads": st.integers(1, 4),
-        "q_len": st.integers(1, 600),
-        "kv_len": st.integers(1, 600),
-        "head_dim": st.sampled_from([32, 64, 96, 128]),
-        "dtype": st.sampled_from([jnp.float32, jnp.bfloat16]),
-        "causal": st.booleans(),
-        "seed": st.integers(0, 2**16),
-    }
-)
+def attention_cases(*, max_batch: int, max_heads: int, max_len: int, head_dims: list[int]):
+    """Random attention calls: :func:`make_qkv`'s arguments (q_len and kv_len drawn apart), plus ``causal``."""
+    return st.fixed_dictionaries(
+        {
+            "batch": st.integers(1, max_batch),
+            "heads": st.integers(1, max_heads),
+            "q_len": st.integers(1, max_len),
+            "kv_len": st.integers(1, max_len),
+            "head_dim": st.sampled_from(head_dims),
+            "dtype": st.sampled_from([jnp.float32, jnp.bfloat16]),
+            "causal": st.booleans(),
+            "seed": st.integers(0, 2**16),
+        }
+    )
+
+
+shapes = attention_cases(max_batch=3, max_heads=4, max_len=600, head_dims=[32, 64, 96, 128])
 
 
 @pytest.mark.parametrize("impl", FAST_IMPLS)
@@ -94,18 +99,7 @@ def test_reference_gradients_match_finite_differences():
                 order=1, modes=("rev",), atol=2e-2, rtol=2e-2, eps=1e-3)
 
 
-grad_shapes = st.fixed_dictionaries(
-    {
-        "batch": st.integers(1, 2),
-        "heads": st.integers(1, 2),
-        "q_len": st.integers(1, 256),
-        "kv_len": st.integers(1, 256),
-        "head_dim": st.sampled_from([32, 64, 128]),
-        "dtype": st.sampled_from([jnp.float32, jnp.bfloat16]),
-        "causal": st.booleans(),
-        "seed": st.integers(0, 2**16),
-    }
-)
+grad_shapes = attention_cases(max_batch=2, max_heads=2, max_len=256, head_dims=[32, 64, 128])
 
 
 @pytest.mark.parametrize("impl", FAST_IMPLS)
