@@ -20,6 +20,7 @@ must be importable there — a module-level function (or a ``functools.partial``
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.metadata
 import json
@@ -30,10 +31,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from flashlib import cost, env, hardware, llo_dump
 from flashlib.llo_dump import BundleStats
@@ -45,11 +46,13 @@ __all__ = [
     "LibtpuMissingError",
     "LibtpuTooOldError",
     "ProfilerCrashError",
+    "SourceState",
     "UnsupportedChipError",
     "bundle_stats",
     "estimate_attention",
     "estimate_cycles",
     "libtpu_version",
+    "source_state",
     "supports_static_profile",
 ]
 
@@ -434,3 +437,37 @@ def estimate_attention(
     return estimate_cycles(
         _RECIPES[impl], q, kv, kv, topology=topology, flops=flops, bundles=bundles, timeout=timeout, **options
     )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Provenance: which sources a table of estimates was compiled from
+# ---------------------------------------------------------------------------------------------------
+
+REPOSITORY = Path(__file__).resolve().parents[1]
+
+
+class SourceState(NamedTuple):
+    """The state of some flashlib sources when a table of estimates was made (:func:`source_state`)."""
+
+    commit: str  # the checkout's short HEAD; "" outside a git checkout
+    edited: bool  # uncommitted changes to those sources
+    sha256: str  # 16 hex digits over their contents: notices an edit made while a sweep ran
+
+
+def source_state(sources: Sequence[str]) -> SourceState:
+    """:class:`SourceState` of ``sources``: files, or folders of ``*.py`` files, relative to the repository."""
+    digest = hashlib.sha256()
+    for source in sources:
+        path = REPOSITORY / source
+        for file in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
+            digest.update(file.read_bytes())
+    edited = bool(_git("status", "--porcelain", "--", *sources))
+    return SourceState(_git("rev-parse", "--short", "HEAD"), edited, digest.hexdigest()[:16])
+
+
+def _git(*args: str) -> str:
+    try:
+        done = subprocess.run(["git", *args], cwd=REPOSITORY, capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return ""
+    return done.stdout.strip()

@@ -223,3 +223,13 @@ def test_old_libtpu_is_refused_by_what_it_says(monkeypatch):
     monkeypatch.setattr(estimate, "supports_static_profile", lambda: True)  # skip the version check: ask libtpu
     with pytest.raises(estimate.LibtpuTooOldError, match="does not know the"):
         estimate.estimate_cycles(scaled_copy, jax.ShapeDtypeStruct((512, 512), jnp.float32), block_rows=128)
+
+
+def test_source_state_fingerprints_the_sources_a_table_was_made_from():
+    import hashlib
+
+    state = estimate.source_state(["flashlib/cost.py"])
+    assert state.sha256 == hashlib.sha256((estimate.REPOSITORY / "flashlib/cost.py").read_bytes()).hexdigest()[:16]
+    assert state.sha256 != estimate.source_state(["flashlib/cost.py", "flashlib/kernels"]).sha256
+    assert state.commit == "" or all(c in "0123456789abcdef" for c in state.commit)  # "" outside a git checkout
+    assert isinstance(state.edited, bool)

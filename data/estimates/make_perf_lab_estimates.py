@@ -22,9 +22,7 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
-import hashlib
 import platform
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -48,24 +46,14 @@ SEQ_COLUMNS = ["generation", "impl", "seq", "blocks", "status", "cycles", "mxu_f
                "hbm_bytes", "note"]
 
 
-ROOT = Path(__file__).resolve().parents[2]
 KERNEL_SOURCES = ("flashlib/kernels", "flashlib/cost.py")
-
-
-def _git(*args: str) -> str:
-    return subprocess.run(["git", *args], capture_output=True, text=True, cwd=ROOT).stdout.strip()
 
 
 def kernel_state() -> str:
     """The commit the kernels were compiled from, whether they had uncommitted changes, and their sha256."""
-    digest = hashlib.sha256()
-    for source in KERNEL_SOURCES:
-        path = ROOT / source
-        for file in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
-            digest.update(file.read_bytes())
-    edited = _git("status", "--porcelain", "--", *KERNEL_SOURCES)
-    dirty = " + uncommitted changes to the kernel sources" if edited else ""
-    return f"commit {_git('rev-parse', '--short', 'HEAD') or '?'}{dirty}, kernel sha256 {digest.hexdigest()[:16]}"
+    state = estimate.source_state(KERNEL_SOURCES)
+    dirty = " + uncommitted changes to the kernel sources" if state.edited else ""
+    return f"commit {state.commit or '?'}{dirty}, kernel sha256 {state.sha256}"
 
 
 def _note(err: Exception) -> str:

@@ -35,12 +35,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import hashlib
 import itertools
 import json
 import os
 import platform
-import subprocess
 import sys
 from pathlib import Path
 
@@ -51,7 +49,6 @@ import jax  # noqa: E402
 
 from flashlib import estimate, tuning  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
 KERNEL_SOURCES = ("flashlib/kernels", "flashlib/cost.py", "flashlib/blockwise.py", "flashlib/reference.py")
 
 
@@ -59,41 +56,18 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
-def _git(*args: str) -> str:
-    try:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return ""
-
-
-def kernel_source() -> str:
-    """The commit the kernel was compiled from, and whether its files had uncommitted changes."""
-    commit = _git("rev-parse", "--short", "HEAD") or "unknown commit"
-    dirty = _git("status", "--porcelain", "--", *KERNEL_SOURCES)
-    return f"{commit}" + (" + uncommitted changes to the kernel sources" if dirty else "")
-
-
-def kernel_digest() -> str:
-    """sha256 of the kernel's source files, to notice a kernel edited while the sweep ran."""
-    digest = hashlib.sha256()
-    for source in KERNEL_SOURCES:
-        path = ROOT / source
-        for file in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
-            digest.update(file.read_bytes())
-    return digest.hexdigest()[:16]
-
-
 def _shown(arg: str) -> str:
     """A command-line argument as the table records it: a file outside the repository (a scratch table) by its
     name only, so the committed header names no machine's paths."""
     path = Path(arg)
-    if path.is_absolute() and path.exists() and not path.resolve().is_relative_to(ROOT):
+    if path.is_absolute() and path.exists() and not path.resolve().is_relative_to(estimate.REPOSITORY):
         return f"<{path.name}>"
     return arg
 
 
 def header(args: argparse.Namespace) -> dict:
     """What made the table, and how to read it."""
+    state = estimate.source_state(KERNEL_SOURCES)
     return {
         "about": "flashlib Pallas forward kernel: block sizes tuned by libtpu's static cycle estimate "
                  "(--xla_jf_dump_static_llo_profile_to), compiled ahead of time on a CPU machine, never timed on "
@@ -106,8 +80,9 @@ def header(args: argparse.Namespace) -> dict:
                        "max(q_len, kv_len) <= the call's (else the shortest entry); the best blocks clamped by "
                        "BlockSizes.fit and validated, else None.",
         "made_by": " ".join(["data/tuning/make_tuned_table.py", *map(_shown, sys.argv[1:])]),
-        "kernel_source": kernel_source(),
-        "kernel_sha256": kernel_digest(),
+        "kernel_source": (state.commit or "unknown commit")
+                         + (" + uncommitted changes to the kernel sources" if state.edited else ""),
+        "kernel_sha256": state.sha256,
         "libtpu": estimate.libtpu_version(),
         "jax": jax.__version__,
         "python": platform.python_version(),
@@ -130,7 +105,7 @@ def check_kernel_unchanged(head: dict, entries: list[tuning.TuningResult], sourc
     of the first entry kept from each earlier table (``sources[i]``: where ``entries[i]`` came from): if those
     cycles moved, the table mixes two kernels and gets a ``warning``; a source edit that changed no cycles (a
     docstring) only a note."""
-    head["kernel_sha256_at_end"] = kernel_digest()
+    head["kernel_sha256_at_end"] = estimate.source_state(KERNEL_SOURCES).sha256
     with_best = [(e, src) for e, src in zip(entries, sources, strict=True) if e.best is not None]
     made_here = [e for e, src in with_best if src == THIS_RUN]
     first_kept: dict[str, tuning.TuningResult] = {}
