@@ -24,25 +24,21 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
-from flashlib import cost, estimate, hardware  # noqa: E402
+from flashlib import cost, estimate, hardware, tuning  # noqa: E402
 
 CSV_PATH = Path(__file__).resolve().parent / "forward_steps.csv"
 COLUMNS = ("step", "change", "generation", "seq", "causal", "block_q", "block_k", "block_k_major", "cycles",
            "jax_best", "ratio_to_jax", "mxu_floor")
 BATCH, HEADS, HEAD_DIM, DTYPE = 1, 8, 128, "bfloat16"
 
-# JAX's flash_attention (jax.experimental.pallas.ops.tpu), best over its configurations, same libtpu 0.0.50
-# static estimate and shapes: shared/reference/jax-kernel-tpu-estimates.md (measured 2026-11-29).
-# Keyed by (generation, seq, causal).
-JAX_BEST: dict[tuple[str, int, bool], int] = {
-    ("v5e", 2048, False): 178_098, ("v5e", 4096, False): 723_590,
-    ("v5e", 2048, True): 156_704, ("v5e", 4096, True): 504_424,
-    ("v6e", 2048, False): 103_726, ("v6e", 4096, False): 427_750,
-    ("v6e", 2048, True): 102_933, ("v6e", 4096, True): 335_005,
-    ("v5e", 8192, False): 2_852_742, ("v5e", 8192, True): 1_747_544,
-    # not in the reference (its v6e T=8192 run did not finish): JAX's rows of data/tuning/forward_blocks.json
-    ("v6e", 8192, False): 1_687_398, ("v6e", 8192, True): 1_176_717,
-}
+
+def load_jax_best() -> dict[tuple[str, int, bool], int]:
+    """JAX's flash_attention (jax.experimental.pallas.ops.tpu), best over its configurations, keyed by
+    (generation, seq, causal): the JAX rows of the tuned table (same libtpu 0.0.50 static estimate and shapes;
+    at T = 2048-8192 on v5e and 2048-4096 on v6e they equal shared/reference/jax-kernel-tpu-estimates.md)."""
+    return {(key.generation, key.q_len, key.causal): entry.baseline_best.cycles
+            for key, entry in tuning.load_tuned_table().items()
+            if entry.baseline_best is not None and key.head_dim == HEAD_DIM and key.dtype == DTYPE}
 
 
 def parse_blocks(text: str) -> list[tuple[int, int, int | None]]:
@@ -62,19 +58,13 @@ def parse_blocks(text: str) -> list[tuple[int, int, int | None]]:
 def measure(generation: str, seq: int, causal: bool, block_q: int, block_k: int,
             block_k_major: int | None, timeout: float) -> str:
     """The total estimated cycles as a string, or the reason there are none."""
-    extra = {} if block_k_major is None else {"block_k_major": block_k_major}
-    try:
-        est = estimate.estimate_attention(
-            "pallas", batch=BATCH, heads=HEADS, seq=seq, head_dim=HEAD_DIM, dtype=DTYPE, causal=causal,
-            block_q=block_q, block_k=block_k, topology=f"{generation}:1x1", timeout=timeout, **extra,
-        )
-    except estimate.ProfilerCrashError:
-        return "profiler_crash"
-    except estimate.EstimateError as err:
-        return "compile_error: " + " ".join(str(err).split())[:120]
-    except ValueError as err:
-        return "refused: " + " ".join(str(err).split())[:120]
-    return str(est.total_cycles)
+    trial = tuning.estimate_trial(
+        "pallas", block_q=block_q, block_k=block_k, block_k_major=block_k_major, topology=f"{generation}:1x1",
+        timeout=timeout, batch=BATCH, heads=HEADS, seq=seq, head_dim=HEAD_DIM, dtype=DTYPE, causal=causal,
+    )
+    if trial.ok:
+        return str(trial.cycles)
+    return trial.status if trial.status == "profiler_crash" else f"{trial.status}: {trial.note[:120]}"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -92,6 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     if not estimate.supports_static_profile():
         sys.exit(f"libtpu {estimate.libtpu_version()} has no static profile: use the newest-jax environment")
 
+    best_of_jax = load_jax_best()
     new_file = not args.out.exists()
     with args.out.open("a", newline="") as f:
         writer = csv.writer(f)
@@ -103,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
                 for causal in args.causal:
                     flops = cost.attention_flops(BATCH, HEADS, seq, seq, HEAD_DIM, causal)
                     floor = round(hardware.mxu_floor_cycles(flops, chip))
-                    jax_best = JAX_BEST.get((generation, seq, causal))
+                    jax_best = best_of_jax.get((generation, seq, causal))
                     for block_q, block_k, major in args.blocks:
                         cycles = measure(generation, seq, causal, block_q, block_k, major, args.timeout)
                         ratio = f"{int(cycles) / jax_best:.3f}" if cycles.isdigit() and jax_best else ""
