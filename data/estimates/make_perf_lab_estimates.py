@@ -79,9 +79,8 @@ def block_row(topology: str, block_q: int, block_k: int) -> dict[str, Any]:
 
 def _blocks(impl: str, seq: int, generation: str) -> dict[str, int]:
     if impl == "pallas":
-        sizes = tuning.lookup(seq, seq, SHAPE["head_dim"], SHAPE["dtype"], SHAPE["causal"], generation)
-        if sizes is None:
-            sizes = BlockSizes.default(seq, seq, SHAPE["head_dim"], SHAPE["dtype"], generation=generation)
+        sizes = BlockSizes.default(seq, seq, SHAPE["head_dim"], SHAPE["dtype"], generation=generation,
+                                   causal=SHAPE["causal"])  # the tuned table's pick where it has one
         if sizes.block_k_major is None:
             return dict(block_q=sizes.block_q, block_k=sizes.block_k)
         return dict(block_q=sizes.block_q, block_k_major=sizes.block_k_major, block_k=sizes.block_k)
