@@ -58,7 +58,7 @@ def _pallas_blocks(seq: int, head_dim: int, dtype: str, causal: bool, generation
     tuned = tuning.lookup(seq, seq, head_dim, dtype, causal, generation)
     if tuned is not None:
         return tuned, "tuned"
-    return BlockSizes.default(seq, seq, head_dim, dtype, generation=generation), "default"
+    return BlockSizes.default(seq, seq, head_dim, dtype, generation=generation, causal=causal), "default"
 
 
 def _jax_flash_blocks(seq: int, head_dim: int, dtype: str, causal: bool, generation: str) -> tuple[int, int, int]:
