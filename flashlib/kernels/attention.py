@@ -21,7 +21,7 @@ from jax.experimental.pallas import tpu as pltpu
 from flashlib.api import register
 from flashlib.kernels.block_sizes import BlockSizes
 from flashlib.kernels.tpu_backward import backward
-from flashlib.kernels.tpu_forward import _forward, check_options, resolve_call
+from flashlib.kernels.tpu_forward import LN_2, _forward, check_options, natural_lse, resolve_call
 
 __all__ = ["HIGHER_ORDER_MESSAGE", "flash_attention"]
 
@@ -64,19 +64,21 @@ def flash_attention(
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
 def _attention(q, k, v, causal, scale, sizes, interpret, return_lse):
     """Not differentiated: the forward kernel alone (the lse only when asked for)."""
-    return _forward(q, k, v, causal=causal, scale=scale, sizes=sizes, interpret=interpret, return_lse=return_lse)
+    result = _forward(q, k, v, causal=causal, scale=scale, sizes=sizes, interpret=interpret, return_lse=return_lse)
+    return natural_lse(result) if return_lse else result
 
 
 def _attention_fwd(q, k, v, causal, scale, sizes, interpret, return_lse):
-    """Differentiated: the forward kernel with its lse, and the residuals the backward needs."""
-    out, lse = _first_order_forward(q, k, v, causal, scale, sizes, interpret)
-    return ((out, lse) if return_lse else out), (q, k, v, out, lse)
+    """Differentiated: the forward kernel with its lse, and the residuals the backward needs. The residual
+    is the kernel's base-2 lse as it is, so the backward subtracts exactly what the forward computed."""
+    out, lse2 = _first_order_forward(q, k, v, causal, scale, sizes, interpret)
+    return ((out, lse2 * LN_2) if return_lse else out), (q, k, v, out, lse2)
 
 
 def _attention_bwd(causal, scale, sizes, interpret, return_lse, residuals, cotangent):
-    q, k, v, out, lse = residuals
+    q, k, v, out, lse2 = residuals
     do, dlse = cotangent if return_lse else (cotangent, None)
-    return _first_order_backward(q, k, v, out, lse, do, dlse, causal, scale, sizes, interpret)
+    return _first_order_backward(q, k, v, out, lse2, do, dlse, causal, scale, sizes, interpret)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -88,14 +90,14 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4, 5, 6))
 def _first_order_forward(q, k, v, causal, scale, sizes, interpret):
-    """``(out, lse)`` by the forward kernel; differentiating this raises :data:`HIGHER_ORDER_MESSAGE`."""
+    """``(out, lse2)`` (base 2) by the forward kernel; differentiating this raises :data:`HIGHER_ORDER_MESSAGE`."""
     return _forward(q, k, v, causal=causal, scale=scale, sizes=sizes, interpret=interpret, return_lse=True)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(7, 8, 9, 10))
-def _first_order_backward(q, k, v, out, lse, do, dlse, causal, scale, sizes, interpret):
+def _first_order_backward(q, k, v, out, lse2, do, dlse, causal, scale, sizes, interpret):
     """``(dq, dk, dv)`` by the backward kernels; differentiating this raises :data:`HIGHER_ORDER_MESSAGE`."""
-    return backward(q, k, v, out, lse, do, dlse, causal=causal, scale=scale, sizes=sizes, interpret=interpret)
+    return backward(q, k, v, out, lse2, do, dlse, causal=causal, scale=scale, sizes=sizes, interpret=interpret)
 
 
 def _refuse_higher_order(causal, scale, sizes, interpret, primals, tangents):

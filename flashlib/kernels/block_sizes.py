@@ -277,8 +277,8 @@ class BlockSizes:
         * q and out ``[block_q, head_dim]``, k and v ``[block_k_major, head_dim]`` blocks, double-buffered
           (the pipeline fetches step ``i + 1`` while computing ``i``);
         * the lse output block ``[block_q, 128]`` f32, double-buffered;
-        * scratch: the scaled query ``[block_q, head_dim]`` (input dtype); f32 running max ``m`` and sum ``l``
-          as lane-replicated ``[block_q, 128]`` tiles, and the accumulator ``[block_q, head_dim]``;
+        * scratch: f32 running max ``m`` and sum ``l`` as lane-replicated ``[block_q, 128]`` tiles, and the
+          accumulator ``[block_q, head_dim]``;
         * the body's f32 temporaries, far larger than the 64 vector registers: three ``[block_q, block_k]``
           tiles (scores, their max-shifted copy, probabilities; the mask and the bf16 matmul operand reuse
           their space) and one ``[block_q, head_dim]`` tile (``p @ v`` before it joins the accumulator);
@@ -303,7 +303,6 @@ class BlockSizes:
             + self.block_q * NUM_LANES * _F32_BYTES  # lse
         )
         scratch = (2 * self.block_q * NUM_LANES + self.block_q * lanes) * _F32_BYTES  # m, l, acc
-        scratch += self.block_q * lanes * itemsize  # the scaled query
         sub_blocks = self.kv_step // self.block_k
         half_tiles = max(2 * _SCORE_TILES, _HALF_TILES_PER_SUB_BLOCK * sub_blocks + _EXTRA_HALF_TILES)
         temporaries = (half_tiles * self.block_q * self.block_k // 2 + self.block_q * lanes) * _F32_BYTES

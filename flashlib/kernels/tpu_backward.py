@@ -1,11 +1,16 @@
 """The Pallas TPU flash-attention backward kernels (stage 6 of the series): dK/dV and dQ by recomputation.
 
-The forward keeps only ``out`` and the row log-sum-exp ``lse``. From them and the cotangent ``dO``:
+The forward keeps only ``out`` and the row log-sum-exp of its base-2 scores ``lse2``. From them and the
+cotangent ``dO``:
 
-    P  = exp(q k^T * scale - lse)          recomputed block by block, never stored whole
+    P  = exp2(q k^T * scale * log2(e) - lse2)    recomputed block by block, never stored whole
     dV = P^T dO,   dP = dO v^T
     dS = P * (dP - D),   D = rowsum(dO * out)   (D_i = sum_j P_ij dP_ij: the softmax Jacobian's own term)
     dQ = dS k * scale,   dK = dS^T q * scale
+
+Both kernels make their base-2 scores ``q k^T * scale * log2(e)`` with the forward's own function
+(:func:`~flashlib.kernels.tpu_forward.base2_scores`): the backward's scores are the forward's up to the f32
+summation order, and so are the probabilities — each recomputed row sums to 1 as the forward normalised it.
 
 Two kernels, so that every output block has one owner that accumulates it in f32 VMEM (no atomics):
 
@@ -30,7 +35,7 @@ kernels at flashlib's default blocks (v5e, v6e; 2048 and 4096 tokens; ``data/opt
 Both run the forward's three kinds of block: causal blocks above the diagonal are skipped (a ``pl.when``
 on the program ids, and an index map clamped so the skipped steps fetch nothing new), blocks straddling
 the diagonal or holding padded keys build an element mask, the rest are plain. Padded queries need no
-mask: their dO and D are zero and their lse is ``NO_KEY_LSE``, so ``P = exp(s - lse)`` is exactly 0 there —
+mask: their dO and D are zero and their lse is ``NO_KEY_LSE``, so ``P = exp2(s - lse2)`` is exactly 0 there —
 the same value a query that sees no key at all gets (the forward returned ``lse = -inf`` for it).
 """
 
@@ -58,12 +63,12 @@ from flashlib.kernels.block_sizes import (
     round_up,
     vmem_limit_bytes,
 )
-from flashlib.kernels.tpu_forward import NT_DIMS, _lanes_to, resolve_call
+from flashlib.kernels.tpu_forward import LOG2_E, NT_DIMS, _lanes_to, base2_scores, resolve_call
 from flashlib.reference import causal_visible
 
 __all__ = ["FUSED_DQ_MAX_BYTES", "NO_KEY_LSE", "flash_attention_backward"]
 
-# The lse given to padded query rows and to rows that see no key: exp(s - NO_KEY_LSE) is 0 for every score
+# The lse given to padded query rows and to rows that see no key: exp2(s - NO_KEY_LSE) is 0 for every score
 # s, masked (MASK_VALUE) or not, so such a row adds nothing to dK, dV and gets dQ = 0. Finite, like MASK_VALUE.
 NO_KEY_LSE = -MASK_VALUE
 PARALLEL, ARBITRARY = "parallel", "arbitrary"
@@ -131,7 +136,7 @@ def _dkv_kernel(
     k_ref,  # [block_k, head_dim]
     v_ref,  # [block_k, head_dim]
     do_ref,  # [block_q, head_dim]
-    lse_ref,  # [8, block_q] f32, sublane-replicated
+    lse_ref,  # [8, block_q] f32, sublane-replicated, base 2
     d_ref,  # [8, block_q] f32, sublane-replicated
     *refs,  # with_dq: k_t_ref, dk_ref, dv_ref, dq_t_ref, dk_acc_ref, dv_acc_ref, dq_t_acc_ref; else no k_t, dq_t*
     causal: bool,
@@ -165,11 +170,11 @@ def _dkv_kernel(
 
     def body(masked: bool):
         q, k, do = q_ref[...], k_ref[...], do_ref[...]  # [block_q, d], [block_k, d], [block_q, d]
-        s_t = lax.dot_general(k, q, NT_DIMS, preferred_element_type=jnp.float32) * scale  # [block_k, block_q]
+        s_t = base2_scores(k, q, scale)  # [block_k, block_q]   base 2, the forward's scores transposed
         if masked:
             s_t = _mask_scores(s_t, q_block * block_q, kv_block * block_k, keys_on_rows=True, q_len=q_len,
                                kv_len=kv_len, causal=causal)  # [block_k, block_q]
-        p_t = jnp.exp(s_t - _sublanes_to(lse_ref[...], block_k))  # [block_k, block_q]   0 where masked
+        p_t = jnp.exp2(s_t - _sublanes_to(lse_ref[...], block_k))  # [block_k, block_q]   0 where masked
         dv_acc_ref[...] += jnp.dot(p_t.astype(do.dtype), do, preferred_element_type=jnp.float32)  # [block_k, d]
         dp_t = lax.dot_general(v_ref[...], do, NT_DIMS, preferred_element_type=jnp.float32)  # [block_k, block_q]
         ds_t = (p_t * (dp_t - _sublanes_to(d_ref[...], block_k))).astype(q.dtype)  # [block_k, block_q]
@@ -305,7 +310,7 @@ def _dq_kernel(
     k_ref,  # [block_k, head_dim]
     v_ref,  # [block_k, head_dim]
     do_ref,  # [block_q, head_dim]
-    lse_ref,  # [8, block_q] f32, sublane-replicated
+    lse_ref,  # [8, block_q] f32, sublane-replicated, base 2
     d_ref,  # [8, block_q] f32, sublane-replicated
     dq_ref,  # out [block_q, head_dim]
     dq_acc_ref,  # scratch [block_q, head_dim] f32
@@ -330,11 +335,11 @@ def _dq_kernel(
 
     def body(masked: bool):
         q, k = q_ref[...], k_ref[...]  # [block_q, d], [block_k, d]
-        s = lax.dot_general(q, k, NT_DIMS, preferred_element_type=jnp.float32) * scale  # [block_q, block_k]
+        s = base2_scores(q, k, scale)  # [block_q, block_k]   base 2
         if masked:
             s = _mask_scores(s, q_block * block_q, kv_block * block_k, keys_on_rows=False, q_len=q_len,
                              kv_len=kv_len, causal=causal)  # [block_q, block_k]
-        p = jnp.exp(s - _lanes_to(lse_col_ref[...], block_k))  # [block_q, block_k]   0 where masked
+        p = jnp.exp2(s - _lanes_to(lse_col_ref[...], block_k))  # [block_q, block_k]   0 where masked
         dp = lax.dot_general(do_ref[...], v_ref[...], NT_DIMS, preferred_element_type=jnp.float32)  # [block_q, block_k]
         ds = p * (dp - _lanes_to(d_col_ref[...], block_k))  # [block_q, block_k]
         dq_acc_ref[...] += jnp.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)  # [block_q, d]
@@ -431,8 +436,8 @@ def flash_attention_backward(
     """The attention VJP by the Pallas kernels: ``(dq, dk, dv)`` like ``(q, k, v)``.
 
     Args:
-      q, k, v: the forward's inputs; out, lse: its output and row log-sum-exp ``[b, h, q_len]`` f32
-        (``flash_attention_forward(..., return_lse=True)``; ``-inf`` for a row that sees no key).
+      q, k, v: the forward's inputs; out, lse: its output and row log-sum-exp ``[b, h, q_len]`` f32, natural
+        log (``flash_attention_forward(..., return_lse=True)``; ``-inf`` for a row that sees no key).
       do: the cotangent of ``out``, like ``out``.
       causal, scale: as in the forward.
       block_sizes: None picks the defaults; the backward fields left None are derived
@@ -446,21 +451,24 @@ def flash_attention_backward(
     shape, sizes, scale, interpret = resolve_call(q, k, v, causal=causal, scale=scale, block_sizes=block_sizes,
                                                   interpret=interpret, backward=True)
     _fuses_dq(sizes, shape.q_len, shape.kv_len, shape.head_dim, fuse_dq)  # a ValueError now, not when traced
-    return backward(q, k, v, out, lse, do, dlse, causal=bool(causal), scale=scale, sizes=sizes, interpret=interpret,
-                    fuse_dq=fuse_dq)
+    lse2 = lse * LOG2_E  # [b, h, q_len]   the kernels' base 2 (the custom VJP passes the forward's lse2 itself)
+    return backward(q, k, v, out, lse2, do, dlse, causal=bool(causal), scale=scale, sizes=sizes,
+                    interpret=interpret, fuse_dq=fuse_dq)
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "scale", "sizes", "interpret", "fuse_dq"))
-def backward(q, k, v, out, lse, do, dlse, *, causal: bool, scale: float, sizes: BlockSizes, interpret,
+def backward(q, k, v, out, lse2, do, dlse, *, causal: bool, scale: float, sizes: BlockSizes, interpret,
              fuse_dq: bool | None = None):
-    """:func:`flash_attention_backward` on resolved, static settings (what the custom VJP calls)."""
+    """:func:`flash_attention_backward` on resolved, static settings (what the custom VJP calls), with the
+    forward's base-2 log-sum-exp ``lse2`` (``tpu_forward._forward(..., return_lse=True)``); ``dlse`` is the
+    cotangent of the natural-log lse."""
     q_len, kv_len = q.shape[2], k.shape[2]
     fused = _fuses_dq(sizes, q_len, kv_len, q.shape[3], fuse_dq)
     (block_q_dkv, block_k_dkv), (block_q_dq, block_k_dq) = sizes.blocks("dkv"), sizes.blocks("dq")
     d = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [b, h, q_len]
     if dlse is not None:
         d = d - dlse  # [b, h, q_len]   dS = P * (dP - D) + P * dlse
-    lse = jnp.where(jnp.isfinite(lse), lse, NO_KEY_LSE)  # [b, h, q_len]   rows that see no key -> P = 0
+    lse2 = jnp.where(jnp.isfinite(lse2), lse2, NO_KEY_LSE)  # [b, h, q_len]   rows that see no key -> P = 0
 
     # Pad once to a length every kernel that runs tiles; each grid covers only the blocks its own sizes need.
     q_multiple = block_q_dkv if fused else math.lcm(block_q_dkv, block_q_dq)
@@ -469,7 +477,7 @@ def backward(q, k, v, out, lse, do, dlse, *, causal: bool, scale: float, sizes: 
     do_padded = pad_to_multiple(do, 2, q_multiple)  # [b, h, Tq, d]
     k_padded = pad_to_multiple(k, 2, k_multiple)  # [b, h, Tk, d]
     v_padded = pad_to_multiple(v, 2, k_multiple)  # [b, h, Tk, d]
-    lse_rows = _as_rows(lse, q_padded.shape[2], NO_KEY_LSE)  # [b, h, 8, Tq]
+    lse_rows = _as_rows(lse2, q_padded.shape[2], NO_KEY_LSE)  # [b, h, 8, Tq]
     d_rows = _as_rows(d, q_padded.shape[2], 0.0)  # [b, h, 8, Tq]
 
     inputs = (q_padded, k_padded, v_padded, do_padded, lse_rows, d_rows)

@@ -45,6 +45,19 @@ LN_2 = math.log(2.0)
 NT_DIMS = (((1,), (1,)), ((), ()))  # [m, d] x [n, d] -> [m, n]: contract the last dims (q k^T without a transpose)
 
 
+def base2_scores(a: jax.Array, b: jax.Array, scale: float) -> jax.Array:
+    """``a b^T * scale * log2(e)`` in f32: scores in base 2, so the softmax needs ``exp2`` (``exp`` would
+    lower to the same multiply by log2(e) and ``exp2``). ``a [m, d]``, ``b [n, d]`` -> ``[m, n]``.
+
+    The forward and both backward kernels make their scores with this one function, so the backward
+    recomputes the very probabilities the forward normalised. The scale is applied to the f32 product, not
+    folded into ``q`` beforehand: ``q * scale * log2(e)`` rounded back to bfloat16 moves each score by up to
+    ~|s| * 2^-9, which at large logits (|s| ~ 50) made the bf16 forward several times less accurate than
+    naive attention, and — recomputed from the unrounded ``q`` — broke the backward (issue 11).
+    """
+    return lax.dot_general(a, b, NT_DIMS, preferred_element_type=jnp.float32) * (scale * LOG2_E)
+
+
 def _lanes_to(x: jax.Array, width: int) -> jax.Array:
     """A lane-replicated ``[rows, 128]`` tile as ``[rows, width]``: whole-vreg copies, then a slice."""
     repeats = -(-width // NUM_LANES)
@@ -55,7 +68,7 @@ def _forward_kernel(
     q_ref,  # [block_q, head_dim]
     k_ref,  # [block_k_major, head_dim]
     v_ref,  # [block_k_major, head_dim]
-    *refs,  # outputs o [block_q, head_dim] (, lse [block_q, 128] f32); scratch q_scaled, m, l [block_q, 128], acc
+    *refs,  # outputs o [block_q, head_dim] (, lse [block_q, 128] f32); scratch m, l [block_q, 128], acc
     causal: bool,
     scale: float,
     block_k: int,
@@ -65,9 +78,9 @@ def _forward_kernel(
     return_lse: bool,
 ):
     if return_lse:
-        o_ref, lse_ref, q_scaled_ref, m_ref, l_ref, acc_ref = refs
+        o_ref, lse_ref, m_ref, l_ref, acc_ref = refs
     else:
-        (o_ref, q_scaled_ref, m_ref, l_ref, acc_ref), lse_ref = refs, None
+        (o_ref, m_ref, l_ref, acc_ref), lse_ref = refs, None
     block_q, head_dim = q_ref.shape
     num_sub_blocks = k_ref.shape[0] // block_k
     q_block, kv_step = pl.program_id(2), pl.program_id(3)
@@ -78,9 +91,6 @@ def _forward_kernel(
 
     @pl.when(kv_step == 0)
     def init():
-        # Scores in base 2: s2 = (q * scale * log2(e)) k^T, so softmax needs exp2 and no per-score multiply.
-        q_scaled = q_ref[...].astype(jnp.float32) * (scale * LOG2_E)  # [block_q, head_dim]
-        q_scaled_ref[...] = q_scaled.astype(q_scaled_ref.dtype)
         m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)  # [block_q, 128]
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)  # [block_q, 128]
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)  # [block_q, head_dim]
@@ -90,9 +100,9 @@ def _forward_kernel(
         against key sub-block ``sub_block`` of this step (``kv_block`` in the whole sequence)."""
         rows = slice(row_chunk * chunk_rows, (row_chunk + 1) * chunk_rows)
         keys = slice(sub_block * block_k, (sub_block + 1) * block_k)
-        q = q_scaled_ref[rows, :]  # [chunk_rows, head_dim]
+        q = q_ref[rows, :]  # [chunk_rows, head_dim]
         k = k_ref[keys, :]  # [block_k, head_dim]
-        s = lax.dot_general(q, k, NT_DIMS, preferred_element_type=jnp.float32)  # [chunk_rows, block_k]  base 2
+        s = base2_scores(q, k, scale)  # [chunk_rows, block_k]   base 2
         if masked:
             shape = (chunk_rows, block_k)
             row = lax.broadcasted_iota(jnp.int32, shape, 0)  # [chunk_rows, block_k]
@@ -149,8 +159,8 @@ def _forward_kernel(
         l = l_ref[...]  # noqa: E741  [block_q, 128]
         l_safe = jnp.where(l == 0.0, 1.0, l)  # [block_q, 128]   a row that saw no key: acc = 0 -> out = 0
         o_ref[...] = (acc_ref[...] * _lanes_to(1.0 / l_safe, head_dim)).astype(o_ref.dtype)  # [block_q, head_dim]
-        if lse_ref is not None:  # back to natural log: lse = ln(2) * (m + log2(l))
-            lse_ref[...] = LN_2 * m_ref[...] + jnp.log(l)  # [block_q, 128]   log(0) = -inf: a row that saw no key
+        if lse_ref is not None:  # in base 2, as the backward recomputes its scores: lse2 = m + log2(l)
+            lse_ref[...] = m_ref[...] + jnp.log(l) * LOG2_E  # [block_q, 128]   log(0) = -inf: a row that saw no key
 
 
 class ResolvedCall(NamedTuple):
@@ -234,11 +244,21 @@ def flash_attention_forward(
     """
     _, sizes, scale, interpret = resolve_call(q, k, v, causal=causal, scale=scale, block_sizes=block_sizes,
                                               interpret=interpret)
-    return _forward(q, k, v, causal=bool(causal), scale=scale, sizes=sizes, interpret=interpret, return_lse=return_lse)
+    result = _forward(q, k, v, causal=bool(causal), scale=scale, sizes=sizes, interpret=interpret,
+                      return_lse=return_lse)
+    return natural_lse(result) if return_lse else result
 
+
+def natural_lse(result: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """``(out, lse2)`` from :func:`_forward` as ``(out, lse)``: the base-2 log-sum-exp back in natural log."""
+    out, lse2 = result
+    return out, lse2 * LN_2
 
 @functools.partial(jax.jit, static_argnames=("causal", "scale", "sizes", "interpret", "return_lse"))
 def _forward(q, k, v, *, causal: bool, scale: float, sizes: BlockSizes, interpret, return_lse: bool):
+    """The forward kernel on resolved, static settings: ``out``, and with ``return_lse`` the row
+    log-sum-exp of the base-2 scores, ``lse2 = lse * log2(e)`` ``[b, h, q_len]`` f32 — the residual the
+    backward kernels take as it is (:func:`natural_lse` converts it for a caller)."""
     batch, heads, q_len, head_dim = q.shape
     kv_len = k.shape[2]
     block_q, block_k, kv_step = sizes.block_q, sizes.block_k, sizes.kv_step
@@ -281,7 +301,6 @@ def _forward(q, k, v, *, causal: bool, scale: float, sizes: BlockSizes, interpre
         out_specs=out_specs,
         out_shape=out_shape,
         scratch_shapes=[
-            pltpu.VMEM((block_q, head_dim), q.dtype),  # q * scale * log2(e), made once per query block
             pltpu.VMEM((block_q, NUM_LANES), jnp.float32),  # m: running max (base 2), lane-replicated
             pltpu.VMEM((block_q, NUM_LANES), jnp.float32),  # l: running sum, lane-replicated
             pltpu.VMEM((block_q, head_dim), jnp.float32),  # acc: unnormalised output
