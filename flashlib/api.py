@@ -3,6 +3,10 @@
 ``q [batch, heads, q_len, head_dim]``, ``k, v [batch, heads, kv_len, head_dim]`` → ``out`` like ``q``.
 Validation happens once, here, so an implementation can assume well-formed input and a reader gets a
 message naming the argument and the fix instead of a stack trace from deep inside a kernel.
+
+The layout is handled here too, once: ``layout="bshd"`` takes ``[batch, seq, heads, head_dim]`` arrays (the
+layout of FlashAttention and ``jax.nn.dot_product_attention``), and every implementation still sees
+``"bhsd"``.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import numpy as np
 from flashlib import env
 
 __all__ = [
+    "LAYOUTS",
     "SUPPORTED_DTYPES",
     "AttentionShape",
     "Implementation",
@@ -30,6 +35,10 @@ __all__ = [
 ]
 
 SUPPORTED_DTYPES: tuple[str, ...] = ("float32", "bfloat16")
+# The axis order of q, k, v and out, by name: "bhsd" is the contract's own (every implementation sees it),
+# "bshd" is FlashAttention's and jax.nn.dot_product_attention's.
+LAYOUTS: dict[str, str] = {"bhsd": "[batch, heads, seq, head_dim]", "bshd": "[batch, seq, heads, head_dim]"}
+_SWAP_SEQ_AND_HEADS = (0, 2, 1, 3)  # bshd <-> bhsd (its own inverse)
 OptionChecker = Callable[["AttentionShape", Mapping[str, Any]], None]
 
 
@@ -112,14 +121,25 @@ def get_implementation(impl: str = "auto") -> Implementation:
     return _REGISTRY[impl]
 
 
-def validate_inputs(q: Any, k: Any, v: Any, *, scale: float | None = None) -> AttentionShape:
-    """Check ``q, k, v`` against the contract; raise ``ValueError`` naming the argument and the fix."""
+def check_layout(layout: Any) -> str:
+    """``layout`` if it names one of :data:`LAYOUTS`, else a ``ValueError`` listing them."""
+    if not (isinstance(layout, str) and layout in LAYOUTS):
+        valid = ", ".join(f"{name!r} {axes}" for name, axes in LAYOUTS.items())
+        raise ValueError(f"layout={layout!r} is not a layout flashlib knows; choose one of {valid}")
+    return layout
+
+
+def validate_inputs(q: Any, k: Any, v: Any, *, scale: float | None = None, layout: str = "bhsd") -> AttentionShape:
+    """Check ``q, k, v`` (in ``layout``) against the contract; raise ``ValueError`` naming the argument and
+    the fix. The sizes returned are by name, whatever the layout."""
+    axes = LAYOUTS[check_layout(layout)]
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             raise ValueError(f"{name} must be an array, got {type(x).__name__}")
         if len(x.shape) != 4:
             raise ValueError(
-                f"{name} must have rank 4 [batch, heads, seq, head_dim], got shape {tuple(x.shape)}; "
+                f"{name} must have rank 4 {axes}{'' if layout == 'bhsd' else f' (layout={layout!r})'}, "
+                f"got shape {tuple(x.shape)}; "
                 f"add the missing axes, e.g. {name}[None, None] for a single [seq, head_dim] matrix"
             )
         dtype = np.dtype(x.dtype).name
@@ -131,16 +151,19 @@ def validate_inputs(q: Any, k: Any, v: Any, *, scale: float | None = None) -> At
             f"q, k and v must share one dtype, got q {np.dtype(q.dtype).name}, k {np.dtype(k.dtype).name}, "
             f"v {np.dtype(v.dtype).name}; cast them to the same dtype"
         )
-    (b, h, q_len, d), (bk, hk, kv_len, dk), (bv, hv, v_len, dv) = q.shape, k.shape, v.shape
-    for axis, qs, ks, vs in (("batch", b, bk, bv), ("heads", h, hk, hv)):
+    order = (0, 1, 2, 3) if layout == "bhsd" else _SWAP_SEQ_AND_HEADS  # the user's axes in [b, h, s, d] order
+    (b, h, q_len, d), (bk, hk, kv_len, dk), (bv, hv, v_len, dv) = (tuple(x.shape[i] for i in order) for x in (q, k, v))
+    heads_axis, seq_axis = (1, 2) if layout == "bhsd" else (2, 1)
+    for axis, index, qs, ks, vs in (("batch", 0, b, bk, bv), ("heads", heads_axis, h, hk, hv)):
         if not qs == ks == vs:
             raise ValueError(
-                f"q, k and v must have the same number of {axis} (axis {0 if axis == 'batch' else 1}), got "
-                f"q {qs}, k {ks}, v {vs}"
+                f"q, k and v must have the same number of {axis} (axis {index}), got q {qs}, k {ks}, v {vs}"
                 + ("; repeat k and v along the heads axis for grouped-query attention" if axis == "heads" else "")
+                + (f"; if your arrays are {LAYOUTS['bshd']}, pass layout='bshd'"
+                   if layout == "bhsd" and axis == "heads" else "")
             )
     if kv_len != v_len:
-        raise ValueError(f"k and v must have the same sequence length (axis 2), got k {kv_len}, v {v_len}")
+        raise ValueError(f"k and v must have the same sequence length (axis {seq_axis}), got k {kv_len}, v {v_len}")
     if not d == dk == dv:
         raise ValueError(f"q, k and v must have the same head_dim (axis 3), got q {d}, k {dk}, v {dv}")
     if min(q_len, kv_len, d) < 1:
@@ -165,6 +188,7 @@ def attention(
     *,
     causal: bool = False,
     scale: float | None = None,
+    layout: str = "bhsd",
     impl: str = "auto",
     **options: Any,
 ) -> jax.Array:
@@ -178,13 +202,16 @@ def attention(
         sees keys ``j <= i + kv_len - q_len`` (the KV-cache convention of FlashAttention >= 2.1). A query
         that sees no key at all gets an output row of zeros.
       scale: multiplies the scores; default ``1 / sqrt(head_dim)``.
+      layout: the axis order of ``q``, ``k``, ``v`` and the output: ``"bhsd"`` (the default, as above) or
+        ``"bshd"`` — ``[batch, seq, heads, head_dim]``, FlashAttention's and ``jax.nn.dot_product_attention``'s.
+        Passing bshd arrays without it computes attention over the wrong axis (or fails on the head count).
       impl: a name from :func:`implementations` or ``"auto"`` (the best native one for this backend).
       **options: implementation-specific, e.g. ``block_q=``/``block_k=`` for ``"blockwise"``.
 
     Returns:
-      ``out [batch, heads, q_len, head_dim]`` with ``q``'s dtype.
+      ``out`` with ``q``'s dtype, ``[batch, heads, q_len, head_dim]`` (in ``layout``).
     """
-    shape = validate_inputs(q, k, v, scale=scale)
+    shape = validate_inputs(q, k, v, scale=scale, layout=layout)
     chosen = get_implementation(impl)
     unknown = sorted(set(options) - set(chosen.options))
     if unknown:
@@ -192,4 +219,8 @@ def attention(
         raise ValueError(f"impl={chosen.name!r} does not accept option(s) {', '.join(unknown)}; it accepts: {accepted}")
     if chosen.check_options is not None:
         chosen.check_options(shape, options)
-    return chosen.fn(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), causal=bool(causal), scale=scale, **options)
+    q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+    if layout == "bshd":
+        q, k, v = (x.transpose(_SWAP_SEQ_AND_HEADS) for x in (q, k, v))
+    out = chosen.fn(q, k, v, causal=bool(causal), scale=scale, **options)  # [b, h, q_len, d]
+    return out.transpose(_SWAP_SEQ_AND_HEADS) if layout == "bshd" else out

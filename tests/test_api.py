@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -125,3 +126,49 @@ def test_register_adds_and_replaces_a_stage():
                                       flashlib.attention(q, k, v, impl="reference"))
     finally:
         api._REGISTRY.pop("tmp_test_impl")
+
+
+# ---------------------------------------------------------------------------------------------------
+# layout=: FlashAttention's and jax.nn.dot_product_attention's [batch, seq, heads, head_dim], handled once
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("impl", list(flashlib.implementations()))
+def test_bshd_layout_is_the_bhsd_result_transposed(impl):
+    q, k, v = make_qkv(2, 3, 10, 12, 32, seed=4)  # [b, h, s, d]
+    to_bshd = (0, 2, 1, 3)
+    expected = flashlib.attention(q, k, v, causal=True, impl=impl)
+    got = flashlib.attention(*(x.transpose(to_bshd) for x in (q, k, v)), causal=True, layout="bshd", impl=impl)
+    assert got.shape == (2, 10, 3, 32)
+    np.testing.assert_allclose(got.transpose(to_bshd), expected, atol=1e-6, rtol=1e-6)
+
+
+def test_bshd_layout_matches_jax_nn_and_its_gradients():
+    q, k, v = make_qkv(2, 12, 4, 4, 16, seed=5)  # read as [b, s=12, h=4, d=16]: jax.nn's own layout
+    expected, expected_vjp = jax.vjp(lambda q, k, v: jax.nn.dot_product_attention(q, k, v), q, k, v)
+    got, got_vjp = jax.vjp(lambda q, k, v: flashlib.attention(q, k, v, layout="bshd", impl="blockwise"), q, k, v)
+    np.testing.assert_allclose(got, expected, atol=1e-5)
+    for g, e in zip(got_vjp(q), expected_vjp(q), strict=True):
+        np.testing.assert_allclose(g, e, atol=1e-5)
+
+
+def test_bshd_arrays_passed_as_bhsd_are_caught_when_the_heads_disagree():
+    q, k, v = (x.transpose(0, 2, 1, 3) for x in make_qkv(1, 8, 16, 24, 32))  # bshd: [1, 16 | 24 tokens, 8, 32]
+    with pytest.raises(ValueError, match="pass layout='bshd'"):
+        flashlib.attention(q, k, v)
+    assert flashlib.attention(q, k, v, layout="bshd", impl="reference").shape == q.shape
+
+
+@pytest.mark.parametrize("layout", ["BSHD", "bsd", None, 0])
+def test_unknown_layout_lists_the_known_ones(layout):
+    q, k, v = make_qkv()
+    with pytest.raises(ValueError, match=r"layout=.*'bhsd' \[batch, heads, seq, head_dim\], 'bshd'"):
+        flashlib.attention(q, k, v, layout=layout)
+
+
+def test_bshd_errors_name_the_axes_of_that_layout():
+    q, k, v = make_qkv(1, 2, 16, 16, 32)
+    with pytest.raises(ValueError, match=r"rank 4 \[batch, seq, heads, head_dim\] \(layout='bshd'\)"):
+        flashlib.attention(q[0], k, v, layout="bshd")
+    with pytest.raises(ValueError, match=r"same sequence length \(axis 1\)"):
+        flashlib.attention(q, k, v[:, :1], layout="bshd")
