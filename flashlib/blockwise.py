@@ -108,13 +108,18 @@ def blockwise_attention(
 def _attention(q, k, v, causal, scale, block_q, block_k, return_lse):
     """Not differentiated: just the forward."""
     out, lse = _forward(q, k, v, causal=causal, scale=scale, block_q=block_q, block_k=block_k)
+    out = out.astype(q.dtype)
     return (out, lse) if return_lse else out
 
 
 def _attention_fwd(q, k, v, causal, scale, block_q, block_k, return_lse):
-    """Differentiated: the forward, saving O(N) residuals (no probabilities)."""
-    out, lse = _forward(q, k, v, causal=causal, scale=scale, block_q=block_q, block_k=block_k)
-    return ((out, lse) if return_lse else out), (q, k, v, out, lse)
+    """Differentiated: the forward, saving O(N) residuals (no probabilities). The output is kept in f32:
+    the backward's ``D = rowsum(dO * out)`` must be the probabilities' own ``rowsum(P * dP)``, and from a
+    bfloat16-rounded ``out`` it is not — with one visible key, where dQ must be exactly 0, it gave dQ errors
+    of 10-25x the naive error (FlashAttention computes D from the rounded output too)."""
+    out32, lse = _forward(q, k, v, causal=causal, scale=scale, block_q=block_q, block_k=block_k)
+    out = out32.astype(q.dtype)
+    return ((out, lse) if return_lse else out), (q, k, v, out32, lse)
 
 
 def _attention_bwd(causal, scale, block_q, block_k, return_lse, residuals, cotangent):
@@ -129,7 +134,8 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def _forward(q, k, v, *, causal: bool, scale: float, block_q: int, block_k: int) -> tuple[jax.Array, jax.Array]:
-    """The scan over key blocks: ``out`` like ``q`` and the row log-sum-exp ``[b, h, q_len]`` f32."""
+    """The scan over key blocks: ``out`` in f32 (the caller rounds it to q's dtype) and the row
+    log-sum-exp ``[b, h, q_len]`` f32."""
     batch, heads, q_len, head_dim = q.shape
     kv_len = k.shape[2]
 
@@ -158,7 +164,7 @@ def _forward(q, k, v, *, causal: bool, scale: float, block_q: int, block_k: int)
     )
     state, _ = jax.lax.scan(visit_kv_block, init, (jnp.arange(kb.shape[0]), kb, vb))
 
-    out = state_output(state).reshape(batch, heads, -1, head_dim)[:, :, :q_len].astype(q.dtype)  # [b, h, q, d]
+    out = state_output(state).reshape(batch, heads, -1, head_dim)[:, :, :q_len]  # [b, h, q, d] f32
     m_safe = jnp.where(jnp.isfinite(state.m), state.m, 0.0)
     lse = (m_safe + jnp.log(state.l)).reshape(batch, heads, -1)[:, :, :q_len]  # [b, h, q]; log(0) = -inf
     return out, lse

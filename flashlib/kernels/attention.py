@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
 from flashlib.api import register
@@ -70,9 +71,13 @@ def _attention(q, k, v, causal, scale, sizes, interpret, return_lse):
 
 def _attention_fwd(q, k, v, causal, scale, sizes, interpret, return_lse):
     """Differentiated: the forward kernel with its lse, and the residuals the backward needs. The residual
-    is the kernel's base-2 lse as it is, so the backward subtracts exactly what the forward computed."""
-    out, lse2 = _first_order_forward(q, k, v, causal, scale, sizes, interpret)
-    return ((out, lse2 * LN_2) if return_lse else out), (q, k, v, out, lse2)
+    is the kernel's base-2 lse as it is, so the backward subtracts exactly what the forward computed, and
+    the output in f32, so the backward's ``D = rowsum(dO * out)`` is the probabilities' own ``rowsum(P *
+    dP)`` (from a bfloat16-rounded out it is not: with one visible key, where dQ must be 0, the dQ error was
+    10-25x the naive one). The user's output is that f32 output rounded, the same bits as the kernel's."""
+    out32, lse2 = _first_order_forward(q, k, v, causal, scale, sizes, interpret)
+    out = out32.astype(q.dtype)
+    return ((out, lse2 * LN_2) if return_lse else out), (q, k, v, out32, lse2)
 
 
 def _attention_bwd(causal, scale, sizes, interpret, return_lse, residuals, cotangent):
@@ -90,8 +95,10 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4, 5, 6))
 def _first_order_forward(q, k, v, causal, scale, sizes, interpret):
-    """``(out, lse2)`` (base 2) by the forward kernel; differentiating this raises :data:`HIGHER_ORDER_MESSAGE`."""
-    return _forward(q, k, v, causal=causal, scale=scale, sizes=sizes, interpret=interpret, return_lse=True)
+    """``(out, lse2)`` (out in f32, lse in base 2) by the forward kernel; differentiating this raises
+    :data:`HIGHER_ORDER_MESSAGE`."""
+    return _forward(q, k, v, causal=causal, scale=scale, sizes=sizes, interpret=interpret, return_lse=True,
+                    out_dtype=jnp.float32)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(7, 8, 9, 10))

@@ -254,11 +254,14 @@ def natural_lse(result: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Arr
     out, lse2 = result
     return out, lse2 * LN_2
 
-@functools.partial(jax.jit, static_argnames=("causal", "scale", "sizes", "interpret", "return_lse"))
-def _forward(q, k, v, *, causal: bool, scale: float, sizes: BlockSizes, interpret, return_lse: bool):
+@functools.partial(jax.jit, static_argnames=("causal", "scale", "sizes", "interpret", "return_lse", "out_dtype"))
+def _forward(q, k, v, *, causal: bool, scale: float, sizes: BlockSizes, interpret, return_lse: bool,
+             out_dtype=None):
     """The forward kernel on resolved, static settings: ``out``, and with ``return_lse`` the row
     log-sum-exp of the base-2 scores, ``lse2 = lse * log2(e)`` ``[b, h, q_len]`` f32 — the residual the
-    backward kernels take as it is (:func:`natural_lse` converts it for a caller)."""
+    backward kernels take as it is (:func:`natural_lse` converts it for a caller). ``out_dtype`` (None: q's)
+    f32 keeps the unrounded output for the backward's ``D = rowsum(dO * out)``."""
+    out_dtype = q.dtype if out_dtype is None else out_dtype
     batch, heads, q_len, head_dim = q.shape
     kv_len = k.shape[2]
     block_q, block_k, kv_step = sizes.block_q, sizes.block_k, sizes.kv_step
@@ -283,7 +286,7 @@ def _forward(q, k, v, *, causal: bool, scale: float, sizes: BlockSizes, interpre
     squeezed = pl.squeezed
     q_spec = pl.BlockSpec((squeezed, squeezed, block_q, head_dim), q_index_map)
     kv_spec = pl.BlockSpec((squeezed, squeezed, kv_step, head_dim), kv_index_map)
-    out_shape = [jax.ShapeDtypeStruct(q_padded.shape, q.dtype)]
+    out_shape = [jax.ShapeDtypeStruct(q_padded.shape, out_dtype)]
     out_specs = [pl.BlockSpec((squeezed, squeezed, block_q, head_dim), q_index_map)]
     if return_lse:  # lane-replicated like m and l: a lane-dense [block_q, 128] store
         out_shape.append(jax.ShapeDtypeStruct((batch, heads, q_padded.shape[2], NUM_LANES), jnp.float32))
