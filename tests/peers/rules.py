@@ -1,0 +1,140 @@
+"""The peers' error rules, written for flashlib: what "correct" means in FlashAttention's and JAX's own tests.
+
+FlashAttention (``Dao-AILab/flash-attention``, ``tests/test_flash_attn.py``) does not compare a kernel with
+a fixed tolerance. It measures three things on the same inputs: the kernel, an *upcast* reference (every
+input cast to f32, ``attention_ref(..., upcast=True)``) and a *naive same-dtype* implementation
+(``attention_ref(..., upcast=False, reorder_ops=True)``: PyTorch ops in the input dtype, so every
+intermediate — the scores, the probabilities, the output and each gradient — is rounded to that dtype), and
+asserts ``max|kernel - ref| <= mult * max|naive - ref| + atol``: a kernel may be at most ``mult`` times as
+wrong as the obvious implementation in the same precision. Here the reference is flashlib's float64 oracle
+(stricter than f32) and :func:`naive_same_dtype` is ``attention_ref(upcast=False, reorder_ops=True)``
+transcribed to JAX: each op computes in f32 (as a GPU's f32 accumulators do) and rounds its result to the
+input dtype; its gradients round at the same places, by ``jax.vjp``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import flashlib
+from flashlib.reference import attention_oracle, attention_vjp_oracle, causal_mask, default_scale
+
+NAMES = ("out", "dq", "dk", "dv")
+# Every implementation behind flashlib.attention that the peers' cases run against. "pallas" runs in
+# interpret mode on the CPU.
+IMPLS = ("reference", "blockwise", "pallas", "xla")
+
+
+def naive_same_dtype(q, k, v, *, causal: bool = False, scale: float | None = None) -> jax.Array:
+    """FlashAttention's ``attention_ref(q, k, v, causal=causal, upcast=False, reorder_ops=True)`` in the
+    flashlib layout ``[b, h, s, d]``: the scale on k (reorder_ops), scores, softmax and output each rounded
+    to the input dtype. A row that sees no key gives zeros, as in FlashAttention's reference."""
+    dtype = q.dtype
+    scale = default_scale(q.shape[-1]) if scale is None else scale
+
+    def rounded(x):
+        return x.astype(dtype)
+
+    k_scaled = rounded(k.astype(jnp.float32) * scale)
+    scores = rounded(jnp.einsum("bhqd,bhkd->bhqk", q.astype(jnp.float32), k_scaled.astype(jnp.float32)))
+    scores = scores.astype(jnp.float32)
+    if causal:
+        visible = causal_mask(q.shape[2], k.shape[2])[None, None]
+        scores = jnp.where(visible, scores, -jnp.inf)
+        sees_a_key = jnp.any(visible, axis=-1, keepdims=True)
+        probs = jnp.where(sees_a_key, jax.nn.softmax(jnp.where(sees_a_key, scores, 0.0), axis=-1), 0.0)
+    else:
+        probs = jax.nn.softmax(scores, axis=-1)
+    probs = rounded(probs)
+    return rounded(jnp.einsum("bhqk,bhkd->bhqd", probs.astype(jnp.float32), v.astype(jnp.float32)))
+
+
+def random_inputs(key, *, batch: int, heads: int, q_len: int, kv_len: int, head_dim: int, dtype,
+                  q_scale: float = 1.0, kv_scale: float = 1.0, layout: str = "bhsd"):
+    """q, k, v, dO drawn N(0, 1) (q times ``q_scale``, k and v times ``kv_scale``), rounded to ``dtype``."""
+    kq, kk, kv, kd = jax.random.split(key, 4)
+
+    def shape(seq):
+        return (batch, heads, seq, head_dim) if layout == "bhsd" else (batch, seq, heads, head_dim)
+
+    q = (q_scale * jax.random.normal(kq, shape(q_len), jnp.float32)).astype(dtype)
+    k = (kv_scale * jax.random.normal(kk, shape(kv_len), jnp.float32)).astype(dtype)
+    v = (kv_scale * jax.random.normal(kv, shape(kv_len), jnp.float32)).astype(dtype)
+    do = jax.random.normal(kd, shape(q_len), jnp.float32).astype(dtype)
+    return q, k, v, do
+
+
+def output_and_grads(fn, q, k, v, do) -> tuple[jax.Array, ...]:
+    """``(out, dq, dk, dv)`` of ``fn(q, k, v)`` with cotangent ``do``, from one ``jax.vjp``."""
+    out, vjp = jax.vjp(fn, q, k, v)
+    return (out, *vjp(do))
+
+
+def max_errors(values, oracle) -> dict[str, float]:
+    """``{name: max |value - oracle|}`` for out, dq, dk, dv (NaN if a value is not finite)."""
+    errors = {}
+    for name, value, exact in zip(NAMES, values, oracle, strict=False):
+        value = np.asarray(value, np.float64)
+        errors[name] = float(np.max(np.abs(value - exact))) if np.all(np.isfinite(value)) else float("nan")
+    return errors
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """``error(impl) <= mult * error(naive same-dtype) + atol``, per quantity (FlashAttention's form)."""
+
+    mult_out: float = 2.0
+    mult_grad: float = 2.0
+    atol_out: float = 0.0
+    atol_grad: float = 0.0
+
+    def bound(self, name: str, naive_error: float) -> float:
+        mult, atol = (self.mult_out, self.atol_out) if name == "out" else (self.mult_grad, self.atol_grad)
+        return mult * naive_error + atol
+
+
+@dataclasses.dataclass
+class Comparison:
+    """The errors of one implementation and of the naive same-dtype one, against the float64 oracle."""
+
+    impl: str
+    errors: dict[str, float]
+    naive_errors: dict[str, float]
+
+    def check(self, rule: Rule, names: tuple[str, ...] = NAMES) -> None:
+        """Assert the rule for every quantity in ``names``, with every number in the message."""
+        failures = []
+        for name in names:
+            bound = rule.bound(name, self.naive_errors[name])
+            if not self.errors[name] <= bound:  # NaN fails too
+                failures.append(f"{name}: error {self.errors[name]:.3g} > bound {bound:.3g} "
+                                f"(naive same-dtype error {self.naive_errors[name]:.3g})")
+        assert not failures, f"impl={self.impl!r} breaks the peer's rule: " + "; ".join(failures)
+
+
+def compare(impl: str, q, k, v, do, *, causal: bool = False, scale: float | None = None,
+            with_grads: bool = True, jit: bool = True, **options) -> Comparison:
+    """Run ``impl`` (and the naive same-dtype implementation) on ``[b, h, s, d]`` inputs; errors of the
+    output (and gradients) against the float64 oracle. ``jit``: under ``jax.jit``, as models run it."""
+
+    def fn(q, k, v):
+        return flashlib.attention(q, k, v, causal=causal, scale=scale, impl=impl, **options)
+
+    def naive(q, k, v):
+        return naive_same_dtype(q, k, v, causal=causal, scale=scale)
+
+    oracle = [attention_oracle(q, k, v, causal=causal, scale=scale)]
+    if with_grads:
+        oracle += list(attention_vjp_oracle(q, k, v, do, causal=causal, scale=scale))
+
+        def run(f):
+            g = jax.jit(output_and_grads, static_argnums=0) if jit else output_and_grads
+            return g(f, q, k, v, do)
+    else:
+        def run(f):
+            return ((jax.jit(f) if jit else f)(q, k, v),)
+    return Comparison(impl, max_errors(run(fn), oracle), max_errors(run(naive), oracle))
