@@ -138,3 +138,24 @@ def compare(impl: str, q, k, v, do, *, causal: bool = False, scale: float | None
         def run(f):
             return ((jax.jit(f) if jit else f)(q, k, v),)
     return Comparison(impl, max_errors(run(fn), oracle), max_errors(run(naive), oracle))
+
+
+def allclose_failure(name: str, actual, desired, *, atol: float, rtol: float) -> str | None:
+    """``np.testing.assert_allclose``'s rule ``|actual - desired| <= atol + rtol * |desired|`` (JAX's peers'
+    form); a line with the numbers where it fails (a non-finite value fails), None where it holds."""
+    actual, desired = np.asarray(actual, np.float64), np.asarray(desired, np.float64)
+    error = np.abs(actual - desired)
+    excess = np.where(np.isfinite(actual), error - (atol + rtol * np.abs(desired)), np.inf)
+    if np.max(excess) <= 0:
+        return None
+    worst = np.unravel_index(np.argmax(excess), excess.shape)
+    return (f"{name}: max |err| {np.max(error):.3g}; worst element err {error[worst]:.3g} > "
+            f"atol {atol:g} + rtol {rtol:g} * |ref| {abs(desired[worst]):.3g}; "
+            f"{int(np.sum(excess > 0))} of {excess.size} elements out")
+
+
+def assert_all(impl: str, case_id: str, failures) -> None:
+    """Assert that every line in ``failures`` is None (the :func:`allclose_failure` of each quantity), all
+    failing lines in one message."""
+    failures = [f for f in failures if f]
+    assert not failures, f"impl={impl!r} {case_id}: " + "; ".join(failures)

@@ -60,7 +60,7 @@ import pytest
 
 import flashlib
 from flashlib.kernels import BlockSizes
-from peers.rules import IMPLS
+from peers.rules import IMPLS, allclose_failure, assert_all
 
 SCALE = 1.0  # attention.mha's and mha_reference's default sm_scale
 FWD_TOL = {"atol": 0.05, "rtol": 1e-7}  # np.testing.assert_allclose(o, o_ref, atol=0.05)
@@ -175,23 +175,6 @@ def attention(case: Case, impl: str):
                              **case.blocks.options(impl))
 
 
-def allclose_failure(name: str, actual, desired, *, atol: float, rtol: float) -> str | None:
-    """``np.testing.assert_allclose``'s rule ``|actual - desired| <= atol + rtol * |desired|``; a line with the
-    numbers where it fails (a non-finite value fails), None where it holds."""
-    actual, desired = np.asarray(actual, np.float64), np.asarray(desired, np.float64)
-    error = np.abs(actual - desired)
-    excess = np.where(np.isfinite(actual), error - (atol + rtol * np.abs(desired)), np.inf)
-    if np.max(excess) <= 0:
-        return None
-    worst = np.unravel_index(np.argmax(excess), excess.shape)
-    return (f"{name}: max |err| {np.max(error):.3g}; worst element err {error[worst]:.3g} > "
-            f"atol {atol:g} + rtol {rtol:g} * |ref| {abs(desired[worst]):.3g}; "
-            f"{int(np.sum(excess > 0))} of {excess.size} elements out")
-
-
-def assert_all(impl: str, case: Case, failures) -> None:
-    failures = [f for f in failures if f]
-    assert not failures, f"impl={impl!r} {case.id}: " + "; ".join(failures)
 
 
 @pytest.mark.parametrize(("case", "impl"), params(FWD_CASES, IMPLS))
@@ -205,7 +188,7 @@ def test_fused_attention_fwd(case, impl):
     else:
         out = jax.jit(fn)(*inputs(case))
     assert out.dtype == jnp.dtype(case.dtype)
-    assert_all(impl, case, [allclose_failure("out", out, oracle(case, grads=False)[0], **FWD_TOL)])
+    assert_all(impl, case.id, [allclose_failure("out", out, oracle(case, grads=False)[0], **FWD_TOL)])
 
 
 @pytest.mark.parametrize(("case", "impl"), params(BWD_CASES, IMPLS))
@@ -217,5 +200,5 @@ def test_fused_attention_bwd(case, impl):
     grads = jax.jit(jax.grad(lambda q, k, v: fn(q, k, v).sum(), argnums=(0, 1, 2)))(*inputs(case))
     want = oracle(case, grads=True)[1:]
     tol = BWD_TOL[case.dtype]
-    assert_all(impl, case, [allclose_failure(name, got, ref, **tol)
+    assert_all(impl, case.id, [allclose_failure(name, got, ref, **tol)
                             for name, got, ref in zip(("dq", "dk", "dv"), grads, want, strict=True)])

@@ -42,7 +42,7 @@ import pytest
 
 import flashlib
 from flashlib.reference import attention_oracle, attention_vjp_oracle
-from peers.rules import IMPLS
+from peers.rules import IMPLS, allclose_failure
 
 B, S, T, N, H = 2, 128, 128, 4, 32
 NAMES = ("out", "dq", "dk", "dv")
@@ -95,20 +95,6 @@ def output_and_grads(impl: str, causal: bool, dtype: str, num_keys: int, *, use_
 
     results = (jax.jit(run) if jit else run)(q, k, v, grad)
     return tuple(x[:, 0] for x in results) if use_vmap else results
-
-
-def allclose_failure(name: str, actual, desired, *, atol: float, rtol: float) -> str | None:
-    """``np.testing.assert_allclose``'s rule ``|actual - desired| <= atol + rtol * |desired|``; a line with the
-    numbers where it fails (a non-finite value fails), None where it holds."""
-    actual, desired = np.asarray(actual, np.float64), np.asarray(desired, np.float64)
-    error = np.abs(actual - desired)
-    excess = np.where(np.isfinite(actual), error - (atol + rtol * np.abs(desired)), np.inf)
-    if np.max(excess) <= 0:
-        return None
-    worst = np.unravel_index(np.argmax(excess), excess.shape)
-    return (f"{name}: max |err| {np.max(error):.3g}; worst element err {error[worst]:.3g} > "
-            f"atol {atol:g} + rtol {rtol:g} * |ref| {abs(desired[worst]):.3g}; "
-            f"{int(np.sum(excess > 0))} of {excess.size} elements out")
 
 
 def check(got, refs, tols, what: str) -> None:

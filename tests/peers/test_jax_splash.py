@@ -60,7 +60,7 @@ import pytest
 import flashlib
 from flashlib.blockwise import blockwise_attention
 from flashlib.kernels import BlockSizes, flash_attention
-from peers.rules import IMPLS
+from peers.rules import IMPLS, allclose_failure, assert_all
 
 SCALE = 1.0  # splash has no softmax scale: its reference multiplies raw q k^T
 
@@ -232,23 +232,6 @@ def vjp_fn(impl: str, causal: bool, blocks: Blocks):
     return jax.jit(run)
 
 
-def allclose_failure(name: str, actual, desired, *, atol: float, rtol: float) -> str | None:
-    """``np.testing.assert_allclose``'s rule ``|actual - desired| <= atol + rtol * |desired|``; a line with the
-    numbers where it fails (a non-finite value fails), None where it holds."""
-    actual, desired = np.asarray(actual, np.float64), np.asarray(desired, np.float64)
-    error = np.abs(actual - desired)
-    excess = np.where(np.isfinite(actual), error - (atol + rtol * np.abs(desired)), np.inf)
-    if np.max(excess) <= 0:
-        return None
-    worst = np.unravel_index(np.argmax(excess), excess.shape)
-    return (f"{name}: max |err| {np.max(error):.3g}; worst element err {error[worst]:.3g} > "
-            f"atol {atol:g} + rtol {rtol:g} * |ref| {abs(desired[worst]):.3g}; "
-            f"{int(np.sum(excess > 0))} of {excess.size} elements out")
-
-
-def assert_all(impl: str, case: Case, failures) -> None:
-    failures = [f for f in failures if f]
-    assert not failures, f"impl={impl!r} {case.id}: " + "; ".join(failures)
 
 
 @pytest.mark.parametrize(("case", "impl"), params(CASES, IMPLS, KNOWN_FAILURES))
@@ -259,7 +242,7 @@ def test_splash_attention_bwd(case, impl):
     q, k, v, do = inputs(case)
     out, *grads = vjp_fn(impl, case.causal, case.blocks)(q, k, v, do)
     ref = exact(case)
-    assert_all(impl, case, [allclose_failure("out", out, ref.out, **OUT_TOL)] + [
+    assert_all(impl, case.id, [allclose_failure("out", out, ref.out, **OUT_TOL)] + [
         allclose_failure(name, got, want, **GRAD_TOL)
         for name, got, want in zip(("dq", "dk", "dv"), grads, ref.peer_backward(out), strict=True)])
 
@@ -274,7 +257,7 @@ def test_splash_attention_custom_bwd(case, impl):
     do = (do.astype(jnp.float32) / 10.0).astype(do.dtype)
     grads = vjp_fn(impl, case.causal, case.blocks)(q, k, v, do)[1:]
     tols = CUSTOM_BWD_TOL[case.dtype]
-    assert_all(impl, case, [
+    assert_all(impl, case.id, [
         allclose_failure(name, got, want, atol=tols[name], rtol=tols[name])
         for name, got, want in zip(("dq", "dk", "dv"), grads, exact(case).autodiff_backward(do), strict=True)])
 
@@ -290,5 +273,5 @@ def test_splash_attention_fwd(case, impl):
     out, lse = jax.jit(functools.partial(fn, causal=case.causal, scale=SCALE, return_lse=True,
                                          **case.blocks.options(impl)))(q, k, v)
     ref = exact(case)
-    assert_all(impl, case, [allclose_failure("out", out, ref.out, **OUT_TOL),
+    assert_all(impl, case.id, [allclose_failure("out", out, ref.out, **OUT_TOL),
                             allclose_failure("lse", lse, ref.lse, **LSE_TOL)])
