@@ -22,7 +22,7 @@ from jax.experimental.pallas import tpu as pltpu
 from flashlib.api import register
 from flashlib.kernels.block_sizes import BlockSizes
 from flashlib.kernels.tpu_backward import backward
-from flashlib.kernels.tpu_forward import LN_2, _forward, check_options, natural_lse, resolve_call
+from flashlib.kernels.tpu_forward import _forward, check_options, natural_lse, resolve_call
 
 __all__ = ["HIGHER_ORDER_MESSAGE", "flash_attention"]
 
@@ -77,7 +77,7 @@ def _attention_fwd(q, k, v, causal, scale, sizes, interpret, return_lse):
     10-25x the naive one). The user's output is that f32 output rounded, the same bits as the kernel's."""
     out32, lse2 = _first_order_forward(q, k, v, causal, scale, sizes, interpret)
     out = out32.astype(q.dtype)
-    return ((out, lse2 * LN_2) if return_lse else out), (q, k, v, out32, lse2)
+    return (natural_lse((out, lse2)) if return_lse else out), (q, k, v, out32, lse2)
 
 
 def _attention_bwd(causal, scale, sizes, interpret, return_lse, residuals, cotangent):
