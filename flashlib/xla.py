@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from flashlib import env
 from flashlib.api import register
 from flashlib.reference import causal_mask
 
@@ -40,9 +41,16 @@ def xla_attention(
     q_len, kv_len = q.shape[2], k.shape[2]
     to_bthd = (0, 2, 1, 3)  # [b, h, t, d] <-> [b, t, h, d]
     mask = causal_mask(q_len, kv_len)[None, None] if causal else None  # [1, 1, q, k]
-    q_t, k_t, v_t = lax.optimization_barrier((q.transpose(to_bthd), k.transpose(to_bthd), v.transpose(to_bthd)))
-    out_t = jax.nn.dot_product_attention(q_t, k_t, v_t, scale=scale, mask=mask)  # [b, q, h, d]
-    out = lax.optimization_barrier(out_t).transpose(to_bthd)  # [b, h, q, d]
+    if env.backend() == "cpu" and q.dtype == jnp.bfloat16:
+        # XLA:CPU has no bf16 matmul units (it converts to f32 itself) and mishandles bf16 dots both ways:
+        # folded into bf16 dots it accumulates in bf16 (newest jax), and the bf16 x bf16 -> f32 dots behind
+        # a barrier have no kernel on jax 0.7.2 (Colab's). So on the CPU bf16 runs in f32, rounded at the end.
+        out = jax.nn.dot_product_attention(*(x.astype(jnp.float32).transpose(to_bthd) for x in (q, k, v)),
+                                           scale=scale, mask=mask).transpose(to_bthd).astype(q.dtype)
+    else:
+        q_t, k_t, v_t = lax.optimization_barrier((q.transpose(to_bthd), k.transpose(to_bthd), v.transpose(to_bthd)))
+        out_t = jax.nn.dot_product_attention(q_t, k_t, v_t, scale=scale, mask=mask)  # [b, q, h, d]
+        out = lax.optimization_barrier(out_t).transpose(to_bthd)  # [b, h, q, d]
     if causal and q_len > kv_len:
         sees_a_key = (jnp.arange(q_len) + kv_len - q_len >= 0)[:, None]  # [q, 1]
         out = jnp.where(sees_a_key, out, jnp.zeros((), out.dtype))
