@@ -199,7 +199,7 @@ def test_attention_estimate_grows_with_the_grid_and_respects_the_floor():
 @pytest.mark.tpu
 @needs_profile
 def test_reproduces_the_reference_estimate_of_jax_flash_attention():
-    # /work/shared/reference/jax-kernel-tpu-estimates.md: T=2048, q512/km2048/k512, v5e -> 178,098 cycles
+    # data/reference/jax_flash_estimates.csv: T=2048, q512/km2048/k512, v5e -> 178,098 cycles
     est = estimate.estimate_attention("jax_flash", seq=2048, block_q=512, block_k_major=2048, block_k=512)
     assert est.kernels == {"flash_attention.1": 178_098}
     assert est.floor_ratio == pytest.approx(1.36, abs=0.005)

@@ -10,7 +10,7 @@ from flashlib import hardware
 from flashlib.hardware import CHIPS, chip_for_topology, mxu_floor_cycles, roofline
 from flashlib.kernels import block_sizes
 
-# The reference shape of /work/shared/reference/jax-kernel-tpu-estimates.md: [1, 8, 2048, 128]
+# The reference shape of data/reference/jax_flash_estimates.csv: [1, 8, 2048, 128]
 REFERENCE_FLOPS = 4 * 1 * 8 * 2048 * 2048 * 128  # two matmuls x 2 FLOPs per multiply-add
 
 

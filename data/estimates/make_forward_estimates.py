@@ -1,6 +1,6 @@
 """Make ``data/estimates/forward_<generation>.csv``: libtpu's static cycle estimates of the attention forward.
 
-One shape, the one of ``shared/reference/jax-kernel-tpu-estimates.md``: ``[1, 8, 2048, 128]`` bf16.
+One shape, the one of ``data/reference/jax_flash_estimates.csv`` at T=2048: ``[1, 8, 2048, 128]`` bf16.
 Two kernels: JAX's own ``jax.experimental.pallas.ops.tpu.flash_attention`` (blocks q / k_major / k) and
 flashlib's Pallas forward (blocks q / k), causal and not, each compiled ahead of time for one TPU target in a
 fresh subprocess (:func:`flashlib.estimate.estimate_attention`). No TPU needed; libtpu >= 0.0.42 is (the

@@ -12,7 +12,7 @@ flashlib configs are ``block_q_dkv/block_k_dkv/block_q_dq/block_k_dq`` (run thro
 :func:`flashlib.kernels.tpu_backward.backward` directly, so flashlib's conservative VMEM check does not
 refuse blocks the compiler takes). ``--jax`` measures JAX's ``jax.experimental.pallas.ops.tpu.flash_attention``
 instead, configs ``block_q/block_k_major/block_k`` used for its forward and all its backward fields (as in
-``shared/reference/jax-kernel-tpu-estimates.md``); those rows have step ``jax`` and set ``jax_best``,
+``data/reference/jax_flash_estimates.csv``); those rows have step ``jax`` and set ``jax_best``,
 the smallest JAX ``dq_plus_dkv`` per (generation, seq, causal) that later rows are compared with.
 """
 

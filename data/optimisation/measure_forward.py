@@ -35,7 +35,7 @@ BATCH, HEADS, HEAD_DIM, DTYPE = 1, 8, 128, "bfloat16"
 def load_jax_best() -> dict[tuple[str, int, bool], int]:
     """JAX's flash_attention (jax.experimental.pallas.ops.tpu), best over its configurations, keyed by
     (generation, seq, causal): the JAX rows of the tuned table (same libtpu 0.0.50 static estimate and shapes;
-    at T = 2048-8192 on v5e and 2048-4096 on v6e they equal shared/reference/jax-kernel-tpu-estimates.md)."""
+    at T = 2048-8192 on v5e and 2048-4096 on v6e they equal data/reference/jax_flash_estimates.csv)."""
     return {(key.generation, key.q_len, key.causal): entry.baseline_best.cycles
             for key, entry in tuning.load_tuned_table().items()
             if entry.baseline_best is not None and key.head_dim == HEAD_DIM and key.dtype == DTYPE}
