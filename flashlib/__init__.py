@@ -6,10 +6,20 @@ One entry point, many stages::
     out = flashlib.attention(q, k, v, causal=True, impl="blockwise")   # q [batch, heads, seq, head_dim]
     flashlib.implementations()   # {"reference": "...", "blockwise": "...", "pallas": "...", "xla": "..."}
 
-Modules: ``api`` (contract, registry), ``reference`` (naive, float64 oracle, softmax, state merge),
-``blockwise`` (pure-JAX flash attention), ``kernels`` (Pallas TPU kernels), ``xla``, ``env``, ``checks``,
-``tpu_compile``, ``data`` (real attention data). ``viz`` and ``widgets`` need the notebook extras
-(matplotlib, ipywidgets) and are imported on demand: ``from flashlib import viz``.
+Modules, one concept each, in layers (a module imports only from its layer or below; no cycles —
+``tests/test_architecture.py`` checks it, README.md draws it):
+
+* ground — ``api`` (the contract, the registry), ``tiling`` (the (8, 128) rule, padding, kernel names),
+  ``geometry`` (the causal mask at element, block and grid grain), ``hardware`` (TPU facts with sources),
+  ``env``, ``data``, ``tpu_compile``, ``provenance``, ``progress``, ``llo_dump``, ``viz``;
+* algorithms — ``reference`` (naive, float64 oracle), ``blockwise`` (+ ``blockwise_backward``), ``xla``,
+  ``checks``, ``cost``;
+* the Pallas backend — ``kernels`` (``tuned_table``, ``block_sizes``, ``options``, ``candidates``, ``scores``,
+  ``tpu_forward``, ``backward_kernels``, ``tpu_backward``, ``attention``);
+* this package (the public surface);
+* measurement — ``estimate``, ``perf_data``;
+* top — ``tuning``, ``bench``, ``perf_plots``, ``widgets`` (``viz`` and ``widgets`` need the notebook extras,
+  matplotlib and ipywidgets, and are imported on demand: ``from flashlib import viz``).
 """
 
 # Importing the stage modules registers them with the entry point.

@@ -39,7 +39,8 @@ SUPPORTED_DTYPES: tuple[str, ...] = ("float32", "bfloat16")
 # "bshd" is FlashAttention's and jax.nn.dot_product_attention's.
 LAYOUTS: dict[str, str] = {"bhsd": "[batch, heads, seq, head_dim]", "bshd": "[batch, seq, heads, head_dim]"}
 _SWAP_SEQ_AND_HEADS = (0, 2, 1, 3)  # bshd <-> bhsd (its own inverse)
-OptionChecker = Callable[["AttentionShape", Mapping[str, Any]], None]
+# resolve_options(shape, causal=..., scale=..., options=...) -> the options fn receives, checked and resolved
+OptionResolver = Callable[..., Mapping[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,8 @@ class Implementation:
     """One registered stage of the series.
 
     ``fn(q, k, v, *, causal, scale, **options)`` computes attention; ``options`` names the extra keyword
-    options it accepts; ``check_options`` (if any) validates their values before ``fn`` runs;
+    options a caller may pass; ``resolve_options`` (if any) checks their values against the validated shape
+    and returns what ``fn`` receives instead (defaults filled in, resolved once, before ``fn`` is traced);
     ``native_on`` lists the backends where it is a compiled, first-class choice, and ``auto_priority``
     orders those candidates for ``impl="auto"``.
     """
@@ -68,7 +70,7 @@ class Implementation:
     fn: Callable[..., jax.Array]
     description: str
     options: tuple[str, ...] = ()
-    check_options: OptionChecker | None = None
+    resolve_options: OptionResolver | None = None
     native_on: tuple[str, ...] = ()
     auto_priority: int = 0
 
@@ -81,7 +83,7 @@ def register(
     *,
     description: str,
     options: tuple[str, ...] = (),
-    check_options: OptionChecker | None = None,
+    resolve_options: OptionResolver | None = None,
     native_on: tuple[str, ...] = (),
     auto_priority: int = 0,
 ) -> Callable[[Callable[..., jax.Array]], Callable[..., jax.Array]]:
@@ -93,7 +95,7 @@ def register(
             fn=fn,
             description=description,
             options=tuple(options),
-            check_options=check_options,
+            resolve_options=resolve_options,
             native_on=tuple(native_on),
             auto_priority=auto_priority,
         )
@@ -173,12 +175,14 @@ def validate_inputs(q: Any, k: Any, v: Any, *, scale: float | None = None, layou
     return AttentionShape(b, h, q_len, kv_len, d, np.dtype(q.dtype).name)
 
 
-def check_positive_ints(shape: AttentionShape, options: Mapping[str, Any]) -> None:
-    """Option checker for block sizes: every given option must be a positive int."""
-    del shape
+def check_positive_ints(shape: AttentionShape, *, causal: bool, scale: float | None,
+                        options: Mapping[str, Any]) -> Mapping[str, Any]:
+    """Option resolver for integer block sizes: every given option must be a positive int; returned as given."""
+    del shape, causal, scale
     for name, value in options.items():
         if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}; e.g. {name}=128")
+    return options
 
 
 def attention(
@@ -217,8 +221,8 @@ def attention(
     if unknown:
         accepted = ", ".join(chosen.options) or "none"
         raise ValueError(f"impl={chosen.name!r} does not accept option(s) {', '.join(unknown)}; it accepts: {accepted}")
-    if chosen.check_options is not None:
-        chosen.check_options(shape, options)
+    if chosen.resolve_options is not None:
+        options = chosen.resolve_options(shape, causal=bool(causal), scale=scale, options=options)
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     if layout == "bshd":
         q, k, v = (x.transpose(_SWAP_SEQ_AND_HEADS) for x in (q, k, v))

@@ -37,13 +37,13 @@ import jax.numpy as jnp
 import flashlib
 from flashlib import cost, env, estimate, hardware, tuning
 from flashlib.kernels.block_sizes import GENERATIONS, BlockSizes, current_generation
+from flashlib.progress import progress
 
 __all__ = ["ESTIMATED", "IMPLS", "estimates_unavailable", "main", "time_call"]
 
 IMPLS: tuple[str, ...] = ("xla", "pallas", "blockwise", "jax_flash", "splash")
 ESTIMATED: tuple[str, ...] = ("pallas", "jax_flash")  # the recipes of flashlib.estimate.estimate_attention
 TPU_ONLY: tuple[str, ...] = ("jax_flash", "splash")  # JAX's kernels have no interpret path here
-JAX_FLASH_DEFAULT = (1024, 1024, 512)  # (block_q, block_k_major, block_k), near JAX's best in the reference runs
 COLUMNS = ["kind", "impl", "seq", "batch", "heads", "head_dim", "dtype", "causal", "device", "blocks", "status",
            "median_us", "min_us", "runs", "cycles", "estimate_us", "floor_ratio", "tflops", "roofline_us", "bound",
            "note"]
@@ -55,16 +55,19 @@ COLUMNS = ["kind", "impl", "seq", "batch", "heads", "head_dim", "dtype", "causal
 
 
 def _pallas_blocks(seq: int, head_dim: int, dtype: str, causal: bool, generation: str) -> tuple[BlockSizes, str]:
+    """What :meth:`BlockSizes.default` picks, and where from: the tuned table (looked up once), or the
+    generation's preferred blocks."""
     tuned = tuning.lookup(seq, seq, head_dim, dtype, causal, generation)
     if tuned is not None:
         return tuned, "tuned"
-    return BlockSizes.default(seq, seq, head_dim, dtype, generation=generation, causal=causal), "default"
+    return BlockSizes.preferred(seq, seq, head_dim, dtype, generation=generation), "default"
 
 
 def _jax_flash_blocks(seq: int, head_dim: int, dtype: str, causal: bool, generation: str) -> tuple[int, int, int]:
     entry = tuning.nearest_entry(seq, seq, head_dim, dtype, causal, generation)
     best = entry.baseline_best if entry is not None else None
-    block_q, block_k_major, block_k = (best.block_q, best.block_k_major, best.block_k) if best else JAX_FLASH_DEFAULT
+    default = tuning.JAX_FLASH_DEFAULT
+    block_q, block_k_major, block_k = (best.block_q, best.block_k_major, best.block_k) if best else default
     return min(block_q, seq), min(block_k_major, seq), min(block_k, seq)
 
 
@@ -329,7 +332,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     jobs = [("measured", i, s) for s in args.seq for i in impls] if measuring else []
     jobs += [("estimate", i, s) for s in args.seq for i in estimated]
     rows = [roofline_row(seq, args, chip) for seq in args.seq]
-    for kind, impl, seq in tuning.progress(jobs, describe=lambda j: f"{j[0]} {j[1]} T={j[2]}"):
+    for kind, impl, seq in progress(jobs, describe=lambda j: f"{j[0]} {j[1]} T={j[2]}"):
         if kind == "measured":
             rows.append(measure(impl, seq, args, generation))
         else:

@@ -24,7 +24,10 @@ import jax
 import jax.numpy as jnp
 
 from flashlib.api import check_positive_ints, register
-from flashlib.reference import SoftmaxState, causal_visible, default_scale, state_output
+from flashlib.blockwise_backward import attention_backward
+from flashlib.geometry import causal_visible
+from flashlib.reference import SoftmaxState, default_scale, state_output
+from flashlib.tiling import blocks_first, pad_to_multiple
 
 __all__ = [
     "DEFAULT_BLOCK_K",
@@ -37,16 +40,6 @@ __all__ = [
 
 DEFAULT_BLOCK_Q = 128
 DEFAULT_BLOCK_K = 128
-
-
-def pad_to_multiple(x: jax.Array, axis: int, multiple: int) -> jax.Array:
-    """Zero-pad ``axis`` of ``x`` up to the next multiple of ``multiple`` (no copy when already aligned)."""
-    extra = -x.shape[axis] % multiple
-    if extra == 0:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, extra)
-    return jnp.pad(x, widths)
 
 
 def online_update(state: SoftmaxState, s: jax.Array, v: jax.Array, mask: jax.Array) -> SoftmaxState:
@@ -71,7 +64,7 @@ def online_update(state: SoftmaxState, s: jax.Array, v: jax.Array, mask: jax.Arr
     "blockwise",
     description="flash attention in pure JAX: scan over KV blocks with online softmax, O(N) memory",
     options=("block_q", "block_k"),
-    check_options=check_positive_ints,
+    resolve_options=check_positive_ints,
 )
 def blockwise_attention(
     q: jax.Array,
@@ -123,7 +116,6 @@ def _attention_fwd(q, k, v, causal, scale, block_q, block_k, return_lse):
 
 
 def _attention_bwd(causal, scale, block_q, block_k, return_lse, residuals, cotangent):
-    from flashlib.blockwise_backward import attention_backward  # it builds on this module's helpers
 
     del block_q  # the backward walks key blocks only
     do, dlse = cotangent if return_lse else (cotangent, None)
@@ -168,9 +160,3 @@ def _forward(q, k, v, *, causal: bool, scale: float, block_q: int, block_k: int)
     m_safe = jnp.where(jnp.isfinite(state.m), state.m, 0.0)
     lse = (m_safe + jnp.log(state.l)).reshape(batch, heads, -1)[:, :, :q_len]  # [b, h, q]; log(0) = -inf
     return out, lse
-
-
-def blocks_first(x: jax.Array, block: int) -> jax.Array:
-    """``[b, h, n*block, d]`` -> ``[n, b, h, block, d]``: the block index leads so ``scan`` can walk it."""
-    batch, heads, length, head_dim = x.shape
-    return jnp.moveaxis(x.reshape(batch, heads, length // block, block, head_dim), 2, 0)

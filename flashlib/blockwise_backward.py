@@ -21,8 +21,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from flashlib.blockwise import blocks_first, pad_to_multiple
-from flashlib.reference import causal_visible
+from flashlib.geometry import causal_visible
+from flashlib.tiling import blocks_first, pad_to_multiple
 
 __all__ = ["attention_backward"]
 

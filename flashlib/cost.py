@@ -17,16 +17,20 @@ matmuls, no more. When dQ^T does not fit, the work is split so that each output 
 iterates over query blocks, ``"dq"`` over key blocks — and both recompute ``s`` and ``dP``: 4 + 3 = 7
 matmuls, 3.5x the forward, in exchange for no cross-step accumulation of dQ.
 
-The block geometry of a causal grid lives here too (:func:`block_is_visible`, :func:`block_needs_mask`,
-:func:`last_key_seen`, :func:`first_query_seeing`), written with plain arithmetic so the same function
-runs on Python ints, NumPy arrays and the traced program ids inside the kernel.
+The block geometry these counts walk (which blocks a causal grid visits, where its index maps clamp) is
+:mod:`flashlib.geometry`'s, the very functions the kernels' ``pl.when`` guards call: a count cannot drift
+from what the kernel does, and editing a count cannot change what the kernel computes. Block sizes are read,
+not imported: anything with the fields of :class:`KernelBlocks` (a ``flashlib.kernels.BlockSizes``) will do.
 """
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import numpy as np
 
-from flashlib.kernels.block_sizes import NUM_LANES, NUM_SUBLANES, BlockSizes, round_up
+from flashlib.geometry import first_query_blocks, last_kv_blocks, visited_blocks
+from flashlib.tiling import F32_BYTES, KERNELS, NUM_LANES, NUM_SUBLANES, round_up
 
 __all__ = [
     "BACKWARD_KERNELS",
@@ -36,92 +40,32 @@ __all__ = [
     "attention_bytes",
     "attention_flops",
     "attention_transcendentals",
-    "block_is_visible",
-    "block_needs_mask",
-    "first_query_seeing",
+    "KernelBlocks",
     "kv_block_fetches",
-    "last_key_seen",
     "q_block_fetches",
     "visible_pairs",
     "visited_blocks",
 ]
 
-_F32_BYTES = 4
 _MATMULS = 2  # s = q k^T and o = p v
 _FLOPS_PER_MAC = 2
-BACKWARD_KERNELS: tuple[str, ...] = ("dkv", "dq", "fused")  # the split pair, or dK/dV doing dQ too
+BACKWARD_KERNELS: tuple[str, ...] = KERNELS[1:]  # "dkv", "dq": the split pair; "fused": dK/dV doing dQ too
 _SPLIT_KERNELS = ("dkv", "dq")  # what kernel=None counts
 _BACKWARD_MATMULS = 5  # the algorithm: s = q k^T, dP = dO v^T, dV = P^T dO, dQ = dS k, dK = dS^T q
 _KERNEL_MATMULS = {"dkv": 4, "dq": 3, "fused": 5}  # dK/dV: s, dP, dV, dK; dQ: s, dP, dQ; fused: all five
 _ROW_STATS = 2  # lse and D, each an f32 [8, block_q] row block in the backward kernels
 
 
-# ---------------------------------------------------------------------------------------------------
-# Block geometry (bottom-right aligned causal mask: query i sees keys j <= i + kv_len - q_len)
-# ---------------------------------------------------------------------------------------------------
+class KernelBlocks(Protocol):
+    """What the counts read of a kernel's block sizes (:class:`flashlib.kernels.BlockSizes` has it)."""
 
+    block_q: int
+    block_k: int
 
-def block_is_visible(q_block, kv_block, *, block_q: int, block_k: int, q_len: int, kv_len: int, causal: bool):
-    """True unless the whole key block lies above the diagonal for every row of the query block.
+    @property
+    def kv_step(self) -> int: ...  # keys per grid step of the forward kernel
 
-    The block's last row (padding rows included) sees keys up to ``(q_block + 1) * block_q - 1 + kv_len -
-    q_len``; the key block starts at ``kv_block * block_k``.
-    """
-    if not causal:
-        return True
-    return kv_block * block_k <= last_key_seen(q_block, block_q=block_q, q_len=q_len, kv_len=kv_len)
-
-
-def block_needs_mask(q_block, kv_block, *, block_q: int, block_k: int, q_len: int, kv_len: int, causal: bool):
-    """True where a visited block must build an element mask: it holds padded keys, or (causal) its last
-    key lies beyond what the block's first row may see, so it straddles the diagonal."""
-    holds_padding = (kv_block + 1) * block_k > kv_len
-    if not causal:
-        return holds_padding
-    straddles = (kv_block + 1) * block_k - 1 > q_block * block_q + (kv_len - q_len)
-    return holds_padding | straddles
-
-
-def last_key_seen(q_block, *, block_q: int, q_len: int, kv_len: int):
-    """The last key position any row of the query block may see (its last row's limit; may be < 0)."""
-    return (q_block + 1) * block_q - 1 + (kv_len - q_len)
-
-
-def first_query_seeing(kv_block, *, block_k: int, q_len: int, kv_len: int):
-    """The first query position that may see any key of the key block (may be < 0: every query does).
-
-    Query ``i`` sees key ``j`` when ``j <= i + kv_len - q_len``; the block's first key is ``kv_block * block_k``.
-    Query block ``i`` visits key block ``j`` (:func:`block_is_visible`) exactly when ``i >= max(first, 0) //
-    block_q``, which is where the dK/dV kernel's query index map clamps.
-    """
-    return kv_block * block_k - (kv_len - q_len)
-
-
-def _first_blocks(q_len: int, kv_len: int, block_q: int, block_k: int, causal: bool) -> np.ndarray:
-    """``[num_kv_blocks]``: the first query block each key block needs, where the dK/dV q index map clamps."""
-    num_kv_blocks = round_up(kv_len, block_k) // block_k
-    if not causal:
-        return np.zeros(num_kv_blocks, dtype=int)
-    first = first_query_seeing(np.arange(num_kv_blocks), block_k=block_k, q_len=q_len, kv_len=kv_len)  # [nk]
-    return np.maximum(first, 0) // block_q
-
-
-def _last_blocks(q_len: int, kv_len: int, block_q: int, block_k: int, causal: bool) -> np.ndarray:
-    """``[num_q_blocks]``: the last key block each query block needs, where its k/v index map clamps."""
-    num_q_blocks, num_kv_blocks = round_up(q_len, block_q) // block_q, round_up(kv_len, block_k) // block_k
-    if not causal:
-        return np.full(num_q_blocks, num_kv_blocks - 1)
-    last_key = last_key_seen(np.arange(num_q_blocks), block_q=block_q, q_len=q_len, kv_len=kv_len)  # [nq]
-    return np.clip(last_key // block_k, 0, num_kv_blocks - 1)  # a block that sees no key still holds block 0
-
-
-def visited_blocks(q_len: int, kv_len: int, block_q: int, block_k: int, causal: bool) -> int:
-    """Grid steps of one (batch, head) that compute, i.e. are not skipped as above the diagonal."""
-    q_blocks = np.arange(round_up(q_len, block_q) // block_q)[:, None]  # [nq, 1]
-    kv_blocks = np.arange(round_up(kv_len, block_k) // block_k)[None, :]  # [1, nk]
-    geometry = dict(block_q=block_q, block_k=block_k, q_len=q_len, kv_len=kv_len, causal=causal)
-    visible = block_is_visible(q_blocks, kv_blocks, **geometry)  # [nq, nk], or True when not causal
-    return int(np.broadcast_to(visible, (q_blocks.size, kv_blocks.size)).sum())
+    def blocks(self, kernel: str = "forward") -> tuple[int, int]: ...  # (block_q, block_k) of a kernel
 
 
 def kv_block_fetches(q_len: int, kv_len: int, block_q: int, block_k: int, causal: bool) -> int:
@@ -131,7 +75,7 @@ def kv_block_fetches(q_len: int, kv_len: int, block_q: int, block_k: int, causal
     walks key blocks ``0 .. last[i]`` and then stays on ``last[i]`` (the clamped index map), so it costs
     ``last[i]`` changes, plus one when it starts from block 0 and the previous query block ended elsewhere.
     """
-    last = _last_blocks(q_len, kv_len, block_q, block_k, causal)  # [nq]
+    last = last_kv_blocks(q_len, kv_len, block_q, block_k, causal)  # [nq]
     return int(last.sum() + 1 + np.count_nonzero(last[:-1] != 0))
 
 
@@ -142,7 +86,7 @@ def q_block_fetches(q_len: int, kv_len: int, block_q: int, block_k: int, causal:
     ``first[j]`` hold block ``first[j]``, clamped), so it costs ``last - first[j]`` changes, plus one when
     it starts elsewhere than where the previous key block ended (always at the last query block).
     """
-    first = _first_blocks(q_len, kv_len, block_q, block_k, causal)  # [nk]
+    first = first_query_blocks(q_len, kv_len, block_q, block_k, causal)  # [nk]
     last = round_up(q_len, block_q) // block_q - 1
     return int((last - first).sum() + 1 + np.count_nonzero(first[1:] != last))
 
@@ -161,7 +105,13 @@ def visible_pairs(q_len: int, kv_len: int, causal: bool) -> int:
 
 
 def attention_flops(
-    batch: int, heads: int, q_len: int, kv_len: int, head_dim: int, causal: bool, block_sizes: BlockSizes | None = None
+    batch: int,
+    heads: int,
+    q_len: int,
+    kv_len: int,
+    head_dim: int,
+    causal: bool,
+    block_sizes: KernelBlocks | None = None,
 ) -> int:
     """Matmul FLOPs (the MXU work): ``2 matmuls x 2 flops x head_dim`` per score; elementwise ops not counted.
 
@@ -184,7 +134,7 @@ def attention_transcendentals(
     kv_len: int,
     head_dim: int,
     causal: bool,
-    block_sizes: BlockSizes | None = None,
+    block_sizes: KernelBlocks | None = None,
     with_lse: bool = False,
 ) -> int:
     """``exp``/``log`` evaluations: one ``exp`` per score (+ one ``log`` per row for the lse).
@@ -210,7 +160,7 @@ def attention_bytes(
     head_dim: int,
     causal: bool,
     dtype,
-    block_sizes: BlockSizes | None = None,
+    block_sizes: KernelBlocks | None = None,
     with_lse: bool = False,
 ) -> int:
     """HBM bytes read and written: q, k, v in, out (and the f32 lse) back.
@@ -222,11 +172,11 @@ def attention_bytes(
     itemsize = np.dtype(dtype).itemsize
     if block_sizes is None:
         elements = (2 * q_len + 2 * kv_len) * head_dim  # q, out; k, v
-        return batch * heads * (elements * itemsize + (q_len * _F32_BYTES if with_lse else 0))
+        return batch * heads * (elements * itemsize + (q_len * F32_BYTES if with_lse else 0))
     bq, kv_step = block_sizes.block_q, block_sizes.kv_step  # k and v are copied kv_step keys at a time
     q_rows = round_up(q_len, bq)
     kv_rows = kv_block_fetches(q_len, kv_len, bq, kv_step, causal) * kv_step
-    per_head = (2 * q_rows + 2 * kv_rows) * head_dim * itemsize + (q_rows * NUM_LANES * _F32_BYTES if with_lse else 0)
+    per_head = (2 * q_rows + 2 * kv_rows) * head_dim * itemsize + (q_rows * NUM_LANES * F32_BYTES if with_lse else 0)
     return batch * heads * per_head
 
 
@@ -235,7 +185,7 @@ def attention_bytes(
 # ---------------------------------------------------------------------------------------------------
 
 
-def _backward_kernels(block_sizes: BlockSizes | None, kernel: str | None) -> tuple[str, ...]:
+def _backward_kernels(block_sizes: KernelBlocks | None, kernel: str | None) -> tuple[str, ...]:
     """The kernels to count: the split pair (None), or the one named; ``kernel`` needs ``block_sizes``."""
     if kernel is None:
         return _SPLIT_KERNELS
@@ -246,12 +196,12 @@ def _backward_kernels(block_sizes: BlockSizes | None, kernel: str | None) -> tup
     return (kernel,)
 
 
-def _kernel_blocks(block_sizes: BlockSizes, kernel: str) -> tuple[int, int]:
-    """``(block_q, block_k)`` a backward kernel runs on: the fused kernel is the dK/dV kernel's grid."""
-    return block_sizes.blocks("dkv" if kernel == "fused" else kernel)
+def _kernel_blocks(block_sizes: KernelBlocks, kernel: str) -> tuple[int, int]:
+    """``(block_q, block_k)`` a backward kernel runs on (the fused kernel's are the dK/dV kernel's)."""
+    return block_sizes.blocks(kernel)
 
 
-def _visited_scores(q_len: int, kv_len: int, causal: bool, block_sizes: BlockSizes, kernel: str) -> int:
+def _visited_scores(q_len: int, kv_len: int, causal: bool, block_sizes: KernelBlocks, kernel: str) -> int:
     """Scores one head's ``kernel`` computes: every visited block in full."""
     block_q, block_k = _kernel_blocks(block_sizes, kernel)
     return visited_blocks(q_len, kv_len, block_q, block_k, causal) * block_q * block_k
@@ -264,7 +214,7 @@ def attention_backward_flops(
     kv_len: int,
     head_dim: int,
     causal: bool,
-    block_sizes: BlockSizes | None = None,
+    block_sizes: KernelBlocks | None = None,
     kernel: str | None = None,
 ) -> int:
     """Backward matmul FLOPs: ``5 matmuls x 2 flops x head_dim`` per visible score (2.5x the forward).
@@ -287,7 +237,7 @@ def attention_backward_transcendentals(
     kv_len: int,
     head_dim: int,
     causal: bool,
-    block_sizes: BlockSizes | None = None,
+    block_sizes: KernelBlocks | None = None,
     kernel: str | None = None,
 ) -> int:
     """``exp`` evaluations: recomputing ``P = exp(s - lse)`` costs one per score — once in the algorithm,
@@ -307,7 +257,7 @@ def attention_backward_bytes(
     head_dim: int,
     causal: bool,
     dtype,
-    block_sizes: BlockSizes | None = None,
+    block_sizes: KernelBlocks | None = None,
     kernel: str | None = None,
 ) -> int:
     """HBM bytes of the backward: q, k, v, out, dO and the f32 lse in; dQ, dK, dV out.
@@ -326,7 +276,7 @@ def attention_backward_bytes(
     kernels = _backward_kernels(block_sizes, kernel)
     if block_sizes is None:
         elements = (4 * q_len + 4 * kv_len) * head_dim  # q, out, dO, dQ; k, v, dK, dV
-        return batch * heads * (elements * itemsize + q_len * _F32_BYTES)
+        return batch * heads * (elements * itemsize + q_len * F32_BYTES)
     total = 0
     for name in kernels:
         bq, bk = _kernel_blocks(block_sizes, name)
@@ -340,6 +290,6 @@ def attention_backward_bytes(
             q_rows = round_up(q_len, bq)  # q, dO, lse, D read and dQ written once
             kv_rows = kv_block_fetches(q_len, kv_len, bq, bk, causal) * bk  # k, v re-read
             per_head = (3 * q_rows + 2 * kv_rows) * head_dim * itemsize
-        per_head += _ROW_STATS * q_rows * NUM_SUBLANES * _F32_BYTES
+        per_head += _ROW_STATS * q_rows * NUM_SUBLANES * F32_BYTES
         total += batch * heads * per_head
     return total

@@ -47,6 +47,7 @@ __all__ = [
     "AttentionData",
     "data_dir",
     "data_path",
+    "find_data_file",
     "load_attention_data",
 ]
 
@@ -93,6 +94,21 @@ def data_dir() -> Path:
             return p
     looked = ", ".join(str(p) for p in _candidates())
     raise FileNotFoundError(f"flashlib's sample data {DATA_FILE} was not found (looked in {looked}). {_HOW_TO_GET}")
+
+
+def find_data_file(relative: str) -> Path | None:
+    """The first existing ``relative`` path (e.g. ``"tuning/forward_blocks.json"``) under the data folders,
+    or None: ``$FLASHLIB_DATA`` first (a folder, or a file inside it), then the folders :func:`data_dir`
+    searches. Unlike :func:`data_dir` it does not need the sample data to be there."""
+    override = os.environ.get(DATA_ENV_VAR)
+    roots = []
+    if override:
+        p = Path(override).expanduser()
+        roots.append(p.parent if p.is_file() else p)
+    for root in [*roots, *_candidates()]:
+        if (root / relative).is_file():
+            return root / relative
+    return None
 
 
 def data_path() -> Path:

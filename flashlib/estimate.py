@@ -16,11 +16,14 @@ libtpu reads its flags once, when it starts, so each estimate runs in a fresh Py
 must be importable there — a module-level function (or a ``functools.partial`` of one), or a
 ``"module:function"`` string; keyword arguments are passed to it as static arguments. For attention,
 :func:`estimate_attention` has ready recipes (``impl="pallas"``: flashlib's kernel, ``"jax_flash"``: JAX's).
+
+Longer than 400 lines because the subprocess, the reading of what libtpu wrote or why it died, and the
+result are one mechanism that changes together (a new libtpu changes all three); the git provenance of a
+table (:mod:`flashlib.provenance`) and the sweep's progress (:mod:`flashlib.progress`) are not here.
 """
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import importlib.metadata
 import json
@@ -31,13 +34,17 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
+import flashlib
 from flashlib import cost, env, hardware, llo_dump
+from flashlib.kernels import BlockSizes
+from flashlib.kernels.block_sizes import GENERATIONS
 from flashlib.llo_dump import BundleStats
+from flashlib.tpu_compile import explain_compiler_error
 
 __all__ = [
     "MIN_LIBTPU",
@@ -46,13 +53,13 @@ __all__ = [
     "LibtpuMissingError",
     "LibtpuTooOldError",
     "ProfilerCrashError",
-    "SourceState",
     "UnsupportedChipError",
     "bundle_stats",
     "estimate_attention",
     "estimate_cycles",
+    "failure_status",
     "libtpu_version",
-    "source_state",
+    "one_line",
     "supports_static_profile",
 ]
 
@@ -201,6 +208,37 @@ def _check_can_estimate(topology: str) -> hardware.TpuChip:
 
 
 # ---------------------------------------------------------------------------------------------------
+# What became of an estimate that has no cycles: one classifier for the tuner, the benchmark, the data scripts
+# ---------------------------------------------------------------------------------------------------
+
+_TOOLCHAIN_ERRORS = (LibtpuMissingError, LibtpuTooOldError, UnsupportedChipError)
+
+
+def failure_status(error: Exception) -> str | None:
+    """The status (:data:`flashlib.kernels.tuned_table.STATUSES`) of one configuration whose estimate raised
+    ``error``: ``"refused"`` (a ``ValueError``: flashlib's own tiling rule or VMEM budget, before any compile),
+    ``"profiler_crash"`` (libtpu's static profiler aborted on a kernel that compiles), ``"compile_error"``
+    (the compiler's refusal, the final judge). None for a toolchain that cannot estimate at all (no libtpu,
+    too old, a chip its cost model does not cover): no configuration would fare better, so the caller
+    re-raises."""
+    if isinstance(error, _TOOLCHAIN_ERRORS):
+        return None
+    if isinstance(error, ProfilerCrashError):
+        return "profiler_crash"
+    if isinstance(error, EstimateError):
+        return "compile_error"
+    if isinstance(error, ValueError):
+        return "refused"
+    return None
+
+
+def one_line(message: object, limit: int = 400) -> str:
+    """``message`` on one line, at most ``limit`` characters: the note beside a status."""
+    text = " ".join(str(message).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# ---------------------------------------------------------------------------------------------------
 # The subprocess
 # ---------------------------------------------------------------------------------------------------
 
@@ -281,8 +319,6 @@ def _diagnose(stderr: str, version: str | None) -> EstimateError:
 
 def _run(fn, args, kwargs, *, topology: str, bundles: bool, timeout: float):
     """Compile in a subprocess with the dump flags; return (result dict, profile cycles, bundle stats)."""
-    from flashlib.tpu_compile import explain_compiler_error
-
     version = libtpu_version()
     with tempfile.TemporaryDirectory(prefix="flashlib-estimate-") as tmp:
         work = Path(tmp)
@@ -368,9 +404,6 @@ def bundle_stats(fn: Callable[..., Any] | str, *args: Any, topology: str = "v5e:
 def flashlib_forward(q, k, v, *, causal: bool, block_q: int, block_k: int, generation: str | None = None,
                      block_k_major: int | None = None):
     """flashlib's Pallas forward kernel, compiled (not interpreted), with the given blocks."""
-    import flashlib
-    from flashlib.kernels import BlockSizes
-
     sizes = BlockSizes(block_q=block_q, block_k=block_k, generation=generation, block_k_major=block_k_major)
     return flashlib.attention(q, k, v, causal=causal, impl="pallas", interpret=False, block_sizes=sizes)
 
@@ -422,8 +455,6 @@ def estimate_attention(
     kv = jax.ShapeDtypeStruct((batch, heads, kv_seq, head_dim), dtype)
     options: dict[str, Any] = dict(causal=causal, block_q=block_q, block_k=block_k)
     if impl == "pallas":
-        from flashlib.kernels.block_sizes import GENERATIONS, BlockSizes
-
         if generation is None and topology.split(":")[0] in GENERATIONS:
             generation = topology.split(":")[0]
         sizes = BlockSizes(block_q=block_q, block_k=block_k, generation=generation, block_k_major=block_k_major)
@@ -437,37 +468,3 @@ def estimate_attention(
     return estimate_cycles(
         _RECIPES[impl], q, kv, kv, topology=topology, flops=flops, bundles=bundles, timeout=timeout, **options
     )
-
-
-# ---------------------------------------------------------------------------------------------------
-# Provenance: which sources a table of estimates was compiled from
-# ---------------------------------------------------------------------------------------------------
-
-REPOSITORY = Path(__file__).resolve().parents[1]
-
-
-class SourceState(NamedTuple):
-    """The state of some flashlib sources when a table of estimates was made (:func:`source_state`)."""
-
-    commit: str  # the checkout's short HEAD; "" outside a git checkout
-    edited: bool  # uncommitted changes to those sources
-    sha256: str  # 16 hex digits over their contents: notices an edit made while a sweep ran
-
-
-def source_state(sources: Sequence[str]) -> SourceState:
-    """:class:`SourceState` of ``sources``: files, or folders of ``*.py`` files, relative to the repository."""
-    digest = hashlib.sha256()
-    for source in sources:
-        path = REPOSITORY / source
-        for file in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
-            digest.update(file.read_bytes())
-    edited = bool(_git("status", "--porcelain", "--", *sources))
-    return SourceState(_git("rev-parse", "--short", "HEAD"), edited, digest.hexdigest()[:16])
-
-
-def _git(*args: str) -> str:
-    try:
-        done = subprocess.run(["git", *args], cwd=REPOSITORY, capture_output=True, text=True, check=True)
-    except (OSError, subprocess.CalledProcessError):
-        return ""
-    return done.stdout.strip()

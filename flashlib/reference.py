@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flashlib.api import register
+from flashlib.geometry import causal_visible  # the rule itself; re-exported for the notebooks
 
 __all__ = [
     "SoftmaxState",
@@ -45,15 +46,6 @@ __all__ = [
 def default_scale(head_dim: int) -> float:
     """The usual ``1 / sqrt(head_dim)`` softmax temperature."""
     return 1.0 / float(np.sqrt(head_dim))
-
-
-def causal_visible(q_pos, kv_pos, *, q_len: int, kv_len: int):
-    """True where the query at position ``q_pos`` may attend the key at ``kv_pos``.
-
-    Bottom-right aligned: query ``i`` sees keys ``j <= i + kv_len - q_len``. Works on ints, NumPy and JAX
-    arrays alike (broadcasting), so the oracle, the blockwise loop and the kernels share one rule.
-    """
-    return kv_pos <= q_pos + (kv_len - q_len)
 
 
 def causal_mask(q_len: int, kv_len: int) -> jax.Array:

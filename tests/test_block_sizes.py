@@ -9,8 +9,9 @@ import jax.numpy as jnp
 import pytest
 
 from flashlib import tuning
-from flashlib.kernels import BlockSizes, tpu_backward, tpu_forward
-from flashlib.kernels.block_sizes import _PREFERRED_BLOCKS, GENERATIONS, MIB, vmem_limit_bytes
+from flashlib.hardware import MIB
+from flashlib.kernels import BlockSizes, backward_kernels, tpu_forward
+from flashlib.kernels.block_sizes import _PREFERRED_BLOCKS, GENERATIONS, vmem_limit_bytes
 from flashlib.tpu_compile import compile_for_tpu
 
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -258,7 +259,7 @@ def test_vmem_sweep(block_q, block_k, block_k_major):
     q = jax.ShapeDtypeStruct((1, 1, seq, 128), F32)
 
     def unchecked(q, k, v):  # below flashlib's refusal: straight to the kernel
-        return tpu_forward._forward(q, k, v, causal=True, scale=0.1, sizes=sizes, interpret=False, return_lse=True)
+        return tpu_forward.forward(q, k, v, causal=True, scale=0.1, sizes=sizes, interpret=False, return_lse=True)
 
     check = compile_for_tpu(unchecked, q, q, q, topology="v5e:1x1")
     estimate = sizes.vmem_bytes(128, F32) / MIB
@@ -297,7 +298,7 @@ def test_backward_vmem_sweep(kernel, block_q, block_k):
     q = jax.ShapeDtypeStruct((1, 1, seq_q, 128), F32)
     kv = jax.ShapeDtypeStruct((1, 1, seq_k, 128), F32)
     rows = jax.ShapeDtypeStruct((1, 1, 8, seq_q), F32)
-    call = tpu_backward._dkv if kernel == "dkv" else tpu_backward._dq
+    call = backward_kernels._dkv if kernel == "dkv" else backward_kernels._dq
     resolved = BlockSizes(128, 128, block_q_dkv=block_q, block_k_dkv=block_k, block_q_dq=block_q, block_k_dq=block_k)
 
     def unchecked(q, k, v, do, lse_rows, d_rows):  # below flashlib's refusal: straight to the kernel

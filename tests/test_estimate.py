@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import pytest
 from jax.experimental import pallas as pl
 
-from flashlib import env, estimate, hardware, llo_dump
+from flashlib import env, estimate, hardware, llo_dump, provenance
 from flashlib.estimate import CycleEstimate
 
 DATA = Path(__file__).parent / "data"
@@ -228,8 +228,8 @@ def test_old_libtpu_is_refused_by_what_it_says(monkeypatch):
 def test_source_state_fingerprints_the_sources_a_table_was_made_from():
     import hashlib
 
-    state = estimate.source_state(["flashlib/cost.py"])
-    assert state.sha256 == hashlib.sha256((estimate.REPOSITORY / "flashlib/cost.py").read_bytes()).hexdigest()[:16]
-    assert state.sha256 != estimate.source_state(["flashlib/cost.py", "flashlib/kernels"]).sha256
+    state = provenance.source_state(["flashlib/cost.py"])
+    assert state.sha256 == hashlib.sha256((provenance.REPOSITORY / "flashlib/cost.py").read_bytes()).hexdigest()[:16]
+    assert state.sha256 != provenance.source_state(["flashlib/cost.py", "flashlib/kernels"]).sha256
     assert state.commit == "" or all(c in "0123456789abcdef" for c in state.commit)  # "" outside a git checkout
     assert isinstance(state.edited, bool)

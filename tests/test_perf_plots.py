@@ -13,7 +13,8 @@ from conftest import PICTURE_TEST_MARKS  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 from flashlib import hardware, perf_plots, tuning, widgets  # noqa: E402
-from flashlib.kernels.block_sizes import MIB, BlockSizes  # noqa: E402
+from flashlib.hardware import MIB  # noqa: E402
+from flashlib.kernels.block_sizes import BlockSizes  # noqa: E402
 
 pytestmark = PICTURE_TEST_MARKS
 

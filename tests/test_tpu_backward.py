@@ -3,7 +3,6 @@ geometry and cost of the dK/dV and dQ grids, lowering and AOT compiles of ``jax.
 
 from __future__ import annotations
 
-import functools
 import itertools
 
 import jax
@@ -15,9 +14,16 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.test_util import check_grads
 
 import flashlib
-from flashlib import cost
+from flashlib import cost, geometry
 from flashlib.checks import check_attention_grads
-from flashlib.kernels import HIGHER_ORDER_MESSAGE, BlockSizes, flash_attention, flash_attention_backward, tpu_backward
+from flashlib.kernels import (
+    HIGHER_ORDER_MESSAGE,
+    BlockSizes,
+    backward_kernels,
+    flash_attention,
+    flash_attention_backward,
+    tpu_backward,
+)
 from flashlib.reference import causal_mask, default_scale
 from flashlib.tpu_compile import compile_for_tpu, lower_for_tpu
 
@@ -193,7 +199,7 @@ def test_dkv_causal_skips_copies_of_query_blocks_it_does_not_need():
     for causal in (False, True):
         pltpu.reset_tpu_interpret_mode_state()
         settings = dict(causal=causal, scale=0.1, q_len=q_len, kv_len=kv_len, sizes=sizes, interpret=params)
-        jax.block_until_ready(tpu_backward._dkv(q, k, v, q, rows, rows, **settings))
+        jax.block_until_ready(backward_kernels._dkv(q, k, v, q, rows, rows, **settings))
         races = tpu_race_state()
         if races is None or not hasattr(races, "reads"):
             pytest.skip("this jax's race detector does not log reads")
@@ -214,10 +220,10 @@ GEOMETRIES = [(37, 300, 128, 16), (300, 37, 128, 32), (512, 512, 128, 64), (1000
 @pytest.mark.parametrize("q_len, kv_len, block_q, block_k", GEOMETRIES)
 def test_first_query_block_is_where_visibility_starts(q_len, kv_len, block_q, block_k):
     """The dK/dV q index map clamps to max(first_query_seeing, 0) // block_q: exactly the first visible block."""
-    geometry = dict(block_q=block_q, block_k=block_k, q_len=q_len, kv_len=kv_len, causal=True)
+    block_geometry = dict(block_q=block_q, block_k=block_k, q_len=q_len, kv_len=kv_len, causal=True)
     for j in range(-(-kv_len // block_k)):
-        first = max(cost.first_query_seeing(j, block_k=block_k, q_len=q_len, kv_len=kv_len), 0) // block_q
-        visible = [bool(cost.block_is_visible(i, j, **geometry)) for i in range(-(-q_len // block_q))]
+        first = max(geometry.first_query_seeing(j, block_k=block_k, q_len=q_len, kv_len=kv_len), 0) // block_q
+        visible = [bool(geometry.block_is_visible(i, j, **block_geometry)) for i in range(-(-q_len // block_q))]
         assert visible == [i >= first for i in range(len(visible))], j
 
 
@@ -231,8 +237,8 @@ def _walk_copies(index_of, outer: int, inner: int) -> int:
 @pytest.mark.parametrize("causal", [False, True])
 def test_fetch_counts_match_a_simulated_grid_walk(q_len, kv_len, block_q, block_k, causal):
     nq, nk = -(-q_len // block_q), -(-kv_len // block_k)
-    last = cost._last_blocks(q_len, kv_len, block_q, block_k, causal)
-    first = cost._first_blocks(q_len, kv_len, block_q, block_k, causal)
+    last = geometry.last_kv_blocks(q_len, kv_len, block_q, block_k, causal)
+    first = geometry.first_query_blocks(q_len, kv_len, block_q, block_k, causal)
     assert cost.kv_block_fetches(q_len, kv_len, block_q, block_k, causal) == _walk_copies(
         lambda i, j: min(j, last[i]), nq, nk)
     assert cost.q_block_fetches(q_len, kv_len, block_q, block_k, causal) == _walk_copies(
@@ -337,8 +343,7 @@ def test_cost_estimate_reaches_the_compiler(kernel, causal):
     sizes = BlockSizes(256, 512, block_q_dkv=512, block_k_dkv=256, block_q_dq=256, block_k_dq=512)
     q, kv, _ = _structs(batch, heads, n, n, head_dim, BF16)
     rows = jax.ShapeDtypeStruct((batch, heads, 8, n), jnp.float32)
-    call = functools.partial(tpu_backward._dkv, with_dq=True) if kernel == "fused" else (
-        tpu_backward._dkv if kernel == "dkv" else tpu_backward._dq)
+    call = {"fused": backward_kernels._fused, "dkv": backward_kernels._dkv, "dq": backward_kernels._dq}[kernel]
 
     def run(q, k, v, do, lse_rows, d_rows):
         return call(q, k, v, do, lse_rows, d_rows, causal=causal, scale=0.1, q_len=n, kv_len=n, sizes=sizes,

@@ -12,10 +12,10 @@ from conftest import make_qkv, tpu_race_state
 from jax.experimental.pallas import tpu as pltpu
 
 import flashlib
-from flashlib import cost
+from flashlib import cost, geometry
 from flashlib.checks import check_attention
 from flashlib.kernels import BlockSizes, flash_attention_forward
-from flashlib.kernels.tpu_forward import resolve_block_sizes
+from flashlib.kernels.options import resolve_block_sizes
 from flashlib.reference import logsumexp_oracle
 from flashlib.tpu_compile import compile_for_tpu, lower_for_tpu
 
@@ -162,14 +162,14 @@ def test_block_geometry_matches_the_element_mask(q_len, kv_len, block_q, block_k
     rows, cols = np.arange(q_pad)[:, None], np.arange(kv_pad)[None, :]
     seen = (cols < kv_len) & flashlib.reference.causal_visible(rows, cols, q_len=q_len, kv_len=kv_len)
     real_rows = rows < q_len
-    geometry = dict(block_q=block_q, block_k=block_k, q_len=q_len, kv_len=kv_len, causal=True)
+    block_geometry = dict(block_q=block_q, block_k=block_k, q_len=q_len, kv_len=kv_len, causal=True)
     for i in range(q_pad // block_q):
         for j in range(kv_pad // block_k):
             tile = seen[i * block_q:(i + 1) * block_q, j * block_k:(j + 1) * block_k]
             real = real_rows[i * block_q:(i + 1) * block_q]
-            assert bool(cost.block_is_visible(i, j, **geometry)) == bool((tile & real).any()), (i, j)
+            assert bool(geometry.block_is_visible(i, j, **block_geometry)) == bool((tile & real).any()), (i, j)
             if tile.any():
-                assert bool(cost.block_needs_mask(i, j, **geometry)) == (not tile.all()), (i, j)
+                assert bool(geometry.block_needs_mask(i, j, **block_geometry)) == (not tile.all()), (i, j)
 
 
 def test_ideal_counts():

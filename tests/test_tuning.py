@@ -17,7 +17,9 @@ import pytest
 
 import flashlib
 from flashlib import estimate, hardware, tuning
-from flashlib.kernels.block_sizes import GENERATIONS, NUM_LANES, BlockSizes, sublanes, vmem_limit_bytes
+from flashlib.kernels.block_sizes import GENERATIONS, BlockSizes, entry_block_sizes, vmem_limit_bytes
+from flashlib.progress import progress
+from flashlib.tiling import NUM_LANES, sublanes
 from flashlib.tpu_compile import compile_for_tpu
 from flashlib.tuning import TableKey, Trial, TuningResult
 
@@ -82,7 +84,7 @@ def test_tune_keeps_every_outcome_and_picks_the_fewest_cycles(monkeypatch):
     assert statuses[(1024, 1024)] == "refused"  # flashlib's VMEM estimate: never compiled
     assert statuses[(512, 256)] == "profiler_crash" and statuses[(512, 1024)] == "ok"
     assert (result.best.block_q, result.best.block_k) == (512, 1024)
-    assert result.best_block_sizes == BlockSizes(512, 1024, generation="v5e")
+    assert entry_block_sizes(result) == BlockSizes(512, 1024, generation="v5e")
     # JAX's configurations longer than the sequence are left out; a compile error is an outcome too
     assert [t.label for t in result.baseline] == ["q512/km512/k512", "q1024/km1024/k1024"]
     assert [t.status for t in result.baseline] == ["ok", "compile_error"]
@@ -140,7 +142,7 @@ def test_the_committed_table_loads_and_says_where_it_came_from():
 
 def _tuned_configs() -> list[tuple[TableKey, BlockSizes]]:
     table = tuning.load_tuned_table()
-    return [(key, entry.best_block_sizes) for key, entry in table.items() if entry.best is not None]
+    return [(key, entry_block_sizes(entry)) for key, entry in table.items() if entry.best is not None]
 
 
 def test_every_tuned_configuration_validates():
@@ -266,13 +268,13 @@ def test_lookup_in_the_committed_table_returns_its_best():
     table = tuning.load_tuned_table()
     key, entry = next((k, e) for k, e in table.items() if e.best is not None)
     sizes = tuning.lookup(key.q_len, key.kv_len, key.head_dim, key.dtype, key.causal, key.generation)
-    assert sizes == entry.best_block_sizes
+    assert sizes == entry_block_sizes(entry)
     assert tuning.lookup(key.q_len, key.kv_len, key.head_dim, "float32", key.causal, key.generation) is None
 
 
 @pytest.mark.skipif(importlib.util.find_spec("tqdm") is not None, reason="tqdm draws its own bar")
 def test_progress_says_which_item_runs():
     out = io.StringIO()
-    assert list(tuning.progress(["a", "b"], describe=str.upper, file=out)) == ["a", "b"]
+    assert list(progress(["a", "b"], describe=str.upper, file=out)) == ["a", "b"]
     lines = out.getvalue().splitlines()
     assert len(lines) == 2 and lines[0].startswith("[1/2 ") and lines[1].endswith("B")

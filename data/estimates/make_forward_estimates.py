@@ -43,12 +43,11 @@ def _row(impl: str, causal: bool, blocks: tuple[int, int, int], topology: str, *
             "jax_flash" if impl == "jax_flash" else "pallas", **SHAPE, causal=causal, block_q=block_q,
             block_k=block_k, block_k_major=block_k_major, topology=topology, bundles=True, **options,
         )
-    except ValueError as err:  # flashlib's own VMEM check
-        return {**row, "status": "refused", "note": str(err)[:200]}
-    except estimate.ProfilerCrashError as err:
-        return {**row, "status": "profiler_crash", "note": str(err).split("LLO_CHECK failure")[-1][:200]}
-    except estimate.EstimateError as err:
-        return {**row, "status": "compile_error", "note": str(err)[:200]}
+    except (ValueError, estimate.EstimateError) as err:
+        status = estimate.failure_status(err)
+        if status is None:
+            raise
+        return {**row, "status": status, "note": str(err).split("LLO_CHECK failure")[-1][:200]}
     (stats,) = [s for name, s in est.bundles.items() if "attention" in name] or [None]
     counts = {k: getattr(stats, k) for k in ("bundles", "vmatmul", "vld", "vst", "xlu", "eup")} if stats else {}
     return {

@@ -29,7 +29,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from flashlib import cost, estimate, hardware, tuning
+from flashlib import cost, estimate, hardware, provenance, tuning
 from flashlib.kernels.block_sizes import BlockSizes
 from flashlib.tpu_compile import compile_for_tpu
 from flashlib.xla import xla_attention
@@ -39,19 +39,19 @@ SHAPE: dict[str, Any] = dict(batch=1, heads=8, head_dim=128, dtype="bfloat16", c
 SWEEP_SEQ = 2048
 SWEEP_BLOCKS = (128, 256, 512, 1024)
 SEQS = (128, 256, 512, 1024, 2048, 4096)
-JAX_FLASH_BLOCKS = (1024, 1024, 512)  # (block_q, block_k_major, block_k), clamped to the sequence
+JAX_FLASH_BLOCKS = tuning.JAX_FLASH_DEFAULT  # (block_q, block_k_major, block_k), clamped to the sequence
 BLOCK_COLUMNS = ["generation", "seq", "block_q", "block_k", "grid_steps", "status", "cycles", "mxu_floor",
                  "floor_ratio", "note"]
 SEQ_COLUMNS = ["generation", "impl", "seq", "blocks", "status", "cycles", "mxu_floor", "floor_ratio", "flops",
                "hbm_bytes", "note"]
 
 
-KERNEL_SOURCES = ("flashlib/kernels", "flashlib/cost.py")
+KERNEL_SOURCES = ("flashlib/kernels", "flashlib/cost.py", "flashlib/geometry.py", "flashlib/tiling.py")
 
 
 def kernel_state() -> str:
     """The commit the kernels were compiled from, whether they had uncommitted changes, and their sha256."""
-    state = estimate.source_state(KERNEL_SOURCES)
+    state = provenance.source_state(KERNEL_SOURCES)
     dirty = " + uncommitted changes to the kernel sources" if state.edited else ""
     return f"commit {state.commit or '?'}{dirty}, kernel sha256 {state.sha256}"
 
@@ -122,10 +122,11 @@ def seq_row(topology: str, impl: str, seq: int) -> dict[str, Any]:
                                            causal=SHAPE["causal"])
         else:
             est = estimate.estimate_attention(impl, seq=seq, topology=topology, **SHAPE, **blocks)
-    except estimate.ProfilerCrashError as err:
-        return {**row, "status": "profiler_crash", "note": _note(err)}
     except (estimate.EstimateError, ValueError) as err:
-        return {**row, "status": "compile_error", "note": _note(err)}
+        status = estimate.failure_status(err)
+        if status is None:
+            raise
+        return {**row, "status": status, "note": _note(err)}
     compiled_flops, hbm_bytes = _compiled_cost(impl, topology, seq, blocks)
     return {**row, "status": "ok", "cycles": est.total_cycles, "mxu_floor": round(floor),
             "floor_ratio": round(est.total_cycles / floor, 3), "flops": compiled_flops, "hbm_bytes": hbm_bytes}

@@ -47,9 +47,11 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import jax  # noqa: E402
 
-from flashlib import estimate, tuning  # noqa: E402
+from flashlib import estimate, provenance, tuning  # noqa: E402
+from flashlib.progress import progress  # noqa: E402
 
-KERNEL_SOURCES = ("flashlib/kernels", "flashlib/cost.py", "flashlib/blockwise.py", "flashlib/reference.py")
+KERNEL_SOURCES = ("flashlib/kernels", "flashlib/cost.py", "flashlib/geometry.py", "flashlib/tiling.py",
+                  "flashlib/reference.py")
 
 
 def _ints(text: str) -> list[int]:
@@ -60,14 +62,14 @@ def _shown(arg: str) -> str:
     """A command-line argument as the table records it: a file outside the repository (a scratch table) by its
     name only, so the committed header names no machine's paths."""
     path = Path(arg)
-    if path.is_absolute() and path.exists() and not path.resolve().is_relative_to(estimate.REPOSITORY):
+    if path.is_absolute() and path.exists() and not path.resolve().is_relative_to(provenance.REPOSITORY):
         return f"<{path.name}>"
     return arg
 
 
 def header(args: argparse.Namespace) -> dict:
     """What made the table, and how to read it."""
-    state = estimate.source_state(KERNEL_SOURCES)
+    state = provenance.source_state(KERNEL_SOURCES)
     return {
         "about": "flashlib Pallas forward kernel: block sizes tuned by libtpu's static cycle estimate "
                  "(--xla_jf_dump_static_llo_profile_to), compiled ahead of time on a CPU machine, never timed on "
@@ -105,7 +107,7 @@ def check_kernel_unchanged(head: dict, entries: list[tuning.TuningResult], sourc
     of the first entry kept from each earlier table (``sources[i]``: where ``entries[i]`` came from): if those
     cycles moved, the table mixes two kernels and gets a ``warning``; a source edit that changed no cycles (a
     docstring) only a note."""
-    head["kernel_sha256_at_end"] = estimate.source_state(KERNEL_SOURCES).sha256
+    head["kernel_sha256_at_end"] = provenance.source_state(KERNEL_SOURCES).sha256
     with_best = [(e, src) for e, src in zip(entries, sources, strict=True) if e.best is not None]
     made_here = [e for e, src in with_best if src == THIS_RUN]
     first_kept: dict[str, tuning.TuningResult] = {}
@@ -212,7 +214,7 @@ def main(argv: list[str] | None = None) -> None:
     grid = list(itertools.product(args.topologies, args.head_dims, (False, True), args.seq))
     entries: list[tuning.TuningResult] = []
     sources: list[str] = []
-    for topology, head_dim, causal, seq in tuning.progress(
+    for topology, head_dim, causal, seq in progress(
         grid, describe=lambda g: f"{g[0]} d={g[1]} causal={g[2]} T={g[3]}"
     ):
         key = tuning.TableKey(topology.split(":")[0], args.dtype, causal, head_dim, seq, seq)

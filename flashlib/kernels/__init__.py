@@ -1,10 +1,24 @@
-"""Pallas TPU kernels: block sizes, the flash-attention forward and backward, and ``impl="pallas"`` (their
-differentiable union, registered on import)."""
+"""``impl="pallas"``, the Pallas TPU backend, with everything it owns, bottom up:
 
+* ``tuned_table``: the committed table of tuned block sizes, read (the sweep that writes it is
+  :mod:`flashlib.tuning`, above the kernels);
+* ``block_sizes``: :class:`BlockSizes`, its tiling rule, per-chip defaults (the table first) and VMEM budget;
+* ``options``: the backend's options, checked and resolved once per call;
+* ``candidates``: its search space, the configurations a tuner should try (the tuner asks, never decides);
+* ``scores``: what every kernel makes its scores and row statistics with;
+* ``tpu_forward``: the forward kernel; ``backward_kernels``: the dK/dV, fused dK/dV/dQ and dQ kernels;
+  ``tpu_backward``: the backward pass that runs them (D, padding, which kernels);
+* ``attention``: their differentiable union, registered as ``impl="pallas"`` on import.
+
+The tiling rule's numbers and the causal geometry are the ground's (:mod:`flashlib.tiling`,
+:mod:`flashlib.geometry`); they are re-exported here for the notebooks."""
+
+from flashlib.geometry import MASK_VALUE
 from flashlib.kernels.attention import HIGHER_ORDER_MESSAGE, flash_attention
-from flashlib.kernels.block_sizes import MASK_VALUE, NUM_LANES, NUM_SUBLANES, BlockSizes
+from flashlib.kernels.block_sizes import BlockSizes
 from flashlib.kernels.tpu_backward import flash_attention_backward
 from flashlib.kernels.tpu_forward import flash_attention_forward
+from flashlib.tiling import NUM_LANES, NUM_SUBLANES
 
 __all__ = [
     "HIGHER_ORDER_MESSAGE",

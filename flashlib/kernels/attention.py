@@ -21,8 +21,9 @@ from jax.experimental.pallas import tpu as pltpu
 
 from flashlib.api import register
 from flashlib.kernels.block_sizes import BlockSizes
+from flashlib.kernels.options import ResolvedCall, resolve_call, resolve_options
 from flashlib.kernels.tpu_backward import backward
-from flashlib.kernels.tpu_forward import _forward, check_options, natural_lse, resolve_call
+from flashlib.kernels.tpu_forward import forward, natural_lse
 
 __all__ = ["HIGHER_ORDER_MESSAGE", "flash_attention"]
 
@@ -32,14 +33,6 @@ HIGHER_ORDER_MESSAGE = (
 )
 
 
-@register(
-    "pallas",
-    description="Pallas TPU flash attention: forward and backward kernels, online softmax, causal block skipping",
-    options=("block_sizes", "interpret"),
-    check_options=check_options,
-    native_on=("tpu",),
-    auto_priority=2,
-)
 def flash_attention(
     q: jax.Array,
     k: jax.Array,
@@ -62,10 +55,26 @@ def flash_attention(
     return _attention(q, k, v, bool(causal), scale, sizes, interpret, bool(return_lse))
 
 
+@register(
+    "pallas",
+    description="Pallas TPU flash attention: forward and backward kernels, online softmax, causal block skipping",
+    options=("block_sizes", "interpret"),
+    resolve_options=resolve_options,
+    native_on=("tpu",),
+    auto_priority=2,
+)
+def _attention_resolved(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, scale: float | None,
+                        call: ResolvedCall) -> jax.Array:
+    """:func:`flash_attention` as :func:`flashlib.attention` calls it: the inputs validated and the options
+    resolved there, once (:func:`~flashlib.kernels.options.resolve_options`)."""
+    del scale  # resolved into call.scale
+    return _attention(q, k, v, bool(causal), call.scale, call.sizes, call.interpret, False)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
 def _attention(q, k, v, causal, scale, sizes, interpret, return_lse):
     """Not differentiated: the forward kernel alone (the lse only when asked for)."""
-    result = _forward(q, k, v, causal=causal, scale=scale, sizes=sizes, interpret=interpret, return_lse=return_lse)
+    result = forward(q, k, v, causal=causal, scale=scale, sizes=sizes, interpret=interpret, return_lse=return_lse)
     return natural_lse(result) if return_lse else result
 
 
@@ -97,8 +106,8 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 def _first_order_forward(q, k, v, causal, scale, sizes, interpret):
     """``(out, lse2)`` (out in f32, lse in base 2) by the forward kernel; differentiating this raises
     :data:`HIGHER_ORDER_MESSAGE`."""
-    return _forward(q, k, v, causal=causal, scale=scale, sizes=sizes, interpret=interpret, return_lse=True,
-                    out_dtype=jnp.float32)
+    return forward(q, k, v, causal=causal, scale=scale, sizes=sizes, interpret=interpret, return_lse=True,
+                   out_dtype=jnp.float32)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(7, 8, 9, 10))

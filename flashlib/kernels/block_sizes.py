@@ -25,38 +25,32 @@ kernels have their own counts (``vmem_bytes(..., kernel="dkv")``, ``kernel="dq"`
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 
+import jax.numpy as jnp
 import numpy as np
 
-from flashlib import env
+from flashlib import env, hardware
+from flashlib.hardware import MIB
+from flashlib.kernels.tuned_table import TableKey, TuningResult, nearest_entry
+from flashlib.tiling import F32_BYTES, KERNELS, NUM_LANES, NUM_SUBLANES, round_up, sublanes
 
 __all__ = [
     "GENERATIONS",
     "KERNELS",
-    "MASK_VALUE",
-    "MIB",
-    "NUM_LANES",
-    "NUM_SUBLANES",
     "BlockSizes",
     "current_generation",
-    "round_up",
-    "sublanes",
+    "entry_block_sizes",
+    "lookup",
     "vmem_limit_bytes",
 ]
 
-NUM_LANES = 128  # lanes of a vector register: the minor (last) dimension of a tile
-NUM_SUBLANES = 8  # sublanes of a vector register for 32-bit values: the second-minor dimension
-MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)  # finite, so `s - m` never computes -inf - (-inf)
-MIB = 1 << 20
-
-# The compiler's default scoped-VMEM limit per chip generation (a kernel needing more fails to compile
-# unless it raises ``vmem_limit_bytes``), and the (block_q, block_k) a kernel starts from there.
-_SCOPED_VMEM_BYTES: dict[str, int] = {"v5e": 16 * MIB, "v6e": 32 * MIB}
+# The (block_q, block_k) a kernel starts from on each generation it has defaults for; the generation's
+# scoped-VMEM limit, which every configuration is checked against, is hardware.CHIPS[generation]'s.
 _PREFERRED_BLOCKS: dict[str, tuple[int, int]] = {"v5e": (512, 512), "v6e": (1024, 512)}
-GENERATIONS: tuple[str, ...] = tuple(_SCOPED_VMEM_BYTES)
+GENERATIONS: tuple[str, ...] = tuple(_PREFERRED_BLOCKS)
 _DEVICE_KINDS: dict[str, str] = {"TPU v5 lite": "v5e", "TPU v5e": "v5e", "TPU v6 lite": "v6e", "TPU v6e": "v6e"}
-_F32_BYTES = 4  # m, l, the accumulator and the score tile are float32 whatever the input dtype
 # f32 [block_q, block_k] tiles the body keeps in VMEM at once. Calibrated on v5e by bisecting
 # vmem_limit_bytes: beyond the buffers counted in `vmem_bytes`, libtpu 0.0.23 (Colab's) allocates up to
 # 3.2 such tiles, libtpu 0.0.50 up to 2.
@@ -72,25 +66,16 @@ _DKV_SCORE_TILES = 3
 _DQ_SCORE_TILES = 4
 _ROW_STAT_ROWS = NUM_SUBLANES  # lse and D reach the backward kernels as sublane-replicated [8, block_q] rows
 
-KERNELS: tuple[str, ...] = ("forward", "dkv", "dq")
-# (query field, key field) of each kernel, and which of the two lie along lanes (the others lie along rows).
+# (query field, key field) of each kernel of tiling.KERNELS (the fused kernel runs on the dK/dV grid), and
+# which of the fields lie along lanes (the others lie along rows).
 _KERNEL_FIELDS: dict[str, tuple[str, str]] = {
     "forward": ("block_q", "block_k"),
     "dkv": ("block_q_dkv", "block_k_dkv"),
     "dq": ("block_q_dq", "block_k_dq"),
+    "fused": ("block_q_dkv", "block_k_dkv"),
 }
 _LANE_FIELDS: frozenset[str] = frozenset({"block_k", "block_q_dkv", "block_q_dq", "block_k_dq"})
-_KERNEL_NAMES: dict[str, str] = {"forward": "forward", "dkv": "dK/dV", "dq": "dQ"}
-
-
-def round_up(x: int, multiple: int) -> int:
-    """The smallest multiple of ``multiple`` that is >= ``x``."""
-    return -(-x // multiple) * multiple
-
-
-def sublanes(dtype) -> int:
-    """Rows of one ``[rows, 128]`` register tile for ``dtype``: 8 for float32, 16 for bfloat16."""
-    return NUM_SUBLANES * _F32_BYTES // np.dtype(dtype).itemsize
+_KERNEL_NAMES: dict[str, str] = {"forward": "forward", "dkv": "dK/dV", "dq": "dQ", "fused": "fused dK/dV/dQ"}
 
 
 def current_generation() -> str:
@@ -101,11 +86,12 @@ def current_generation() -> str:
 
 
 def vmem_limit_bytes(generation: str | None = None) -> int:
-    """The default scoped-VMEM limit of ``generation`` (None: :func:`current_generation`)."""
+    """The default scoped-VMEM limit of ``generation`` (None: :func:`current_generation`), from
+    :data:`flashlib.hardware.CHIPS`."""
     generation = current_generation() if generation is None else generation
-    if generation not in _SCOPED_VMEM_BYTES:
+    if generation not in GENERATIONS:
         raise ValueError(f"generation must be one of {', '.join(GENERATIONS)} (or None), got {generation!r}")
-    return _SCOPED_VMEM_BYTES[generation]
+    return hardware.CHIPS[generation].scoped_vmem_bytes
 
 
 def _check_block(field: str, value: object, multiple: int, why: str) -> None:
@@ -171,18 +157,24 @@ class BlockSizes:
     def default(cls, q_len: int, kv_len: int, head_dim: int, dtype, generation: str | None = None,
                 causal: bool = False) -> BlockSizes:
         """Good sizes for ``generation``: the tuned table's choice for the nearest tuned shape
-        (:func:`flashlib.tuning.lookup`, picked by the TPU compiler's cycle estimate), else the generation's
+        (:func:`lookup`, picked by the TPU compiler's cycle estimate), else the generation's
         preferred blocks; clamped to the (padded) sequence lengths and halved while they would overflow
         its VMEM budget."""
-        from flashlib import tuning  # here, not at the top: tuning imports this module
-
         generation = current_generation() if generation is None else generation
         limit = vmem_limit_bytes(generation)  # also rejects an unknown generation
-        tuned = tuning.lookup(q_len, kv_len, head_dim, dtype, causal, generation)
-        if tuned is not None:
-            sizes = dataclasses.replace(tuned, generation=generation).fit(q_len, kv_len, dtype)
-        else:
-            sizes = cls(*_PREFERRED_BLOCKS[generation], generation=generation).fit(q_len, kv_len, dtype)
+        tuned = lookup(q_len, kv_len, head_dim, dtype, causal, generation)
+        if tuned is None:
+            return cls.preferred(q_len, kv_len, head_dim, dtype, generation)
+        return dataclasses.replace(tuned, generation=generation).fit(q_len, kv_len, dtype).shrunk_to(
+            limit, head_dim, dtype)
+
+    @classmethod
+    def preferred(cls, q_len: int, kv_len: int, head_dim: int, dtype, generation: str | None = None) -> BlockSizes:
+        """The generation's preferred blocks, without the tuned table: clamped to the (padded) sequence
+        lengths and halved while they would overflow its VMEM budget (what :meth:`default` falls back to)."""
+        generation = current_generation() if generation is None else generation
+        limit = vmem_limit_bytes(generation)  # also rejects an unknown generation
+        sizes = cls(*_PREFERRED_BLOCKS[generation], generation=generation).fit(q_len, kv_len, dtype)
         return sizes.shrunk_to(limit, head_dim, dtype)
 
     @property
@@ -300,12 +292,12 @@ class BlockSizes:
             self.block_q * lanes * itemsize  # q
             + 2 * self.kv_step * lanes * itemsize  # k, v
             + self.block_q * lanes * itemsize  # out
-            + self.block_q * NUM_LANES * _F32_BYTES  # lse
+            + self.block_q * NUM_LANES * F32_BYTES  # lse
         )
-        scratch = (2 * self.block_q * NUM_LANES + self.block_q * lanes) * _F32_BYTES  # m, l, acc
+        scratch = (2 * self.block_q * NUM_LANES + self.block_q * lanes) * F32_BYTES  # m, l, acc
         sub_blocks = self.kv_step // self.block_k
         half_tiles = max(2 * _SCORE_TILES, _HALF_TILES_PER_SUB_BLOCK * sub_blocks + _EXTRA_HALF_TILES)
-        temporaries = (half_tiles * self.block_q * self.block_k // 2 + self.block_q * lanes) * _F32_BYTES
+        temporaries = (half_tiles * self.block_q * self.block_k // 2 + self.block_q * lanes) * F32_BYTES
         return double_buffered + scratch + temporaries
 
     def _backward_vmem_bytes(self, head_dim: int, dtype, kernel: str) -> int:
@@ -323,15 +315,15 @@ class BlockSizes:
         block_q, block_k = self.blocks(kernel)
         itemsize = np.dtype(dtype).itemsize
         lanes = round_up(head_dim, NUM_LANES)
-        inputs = (2 * block_q + 2 * block_k) * lanes * itemsize + 2 * _ROW_STAT_ROWS * block_q * _F32_BYTES
-        if kernel == "dkv":
+        inputs = (2 * block_q + 2 * block_k) * lanes * itemsize + 2 * _ROW_STAT_ROWS * block_q * F32_BYTES
+        if kernel in ("dkv", "fused"):
             outputs = 2 * block_k * lanes * itemsize  # dk, dv
-            scratch = 2 * block_k * lanes * _F32_BYTES  # dk, dv accumulators
-            temporaries = (_DKV_SCORE_TILES * block_k * block_q + block_k * lanes) * _F32_BYTES
+            scratch = 2 * block_k * lanes * F32_BYTES  # dk, dv accumulators
+            temporaries = (_DKV_SCORE_TILES * block_k * block_q + block_k * lanes) * F32_BYTES
         else:
             outputs = block_q * lanes * itemsize  # dq
-            scratch = (block_q * lanes + 2 * block_q * NUM_LANES) * _F32_BYTES  # dq accumulator; lse, D columns
-            temporaries = (_DQ_SCORE_TILES * block_q * block_k + block_q * lanes) * _F32_BYTES
+            scratch = (block_q * lanes + 2 * block_q * NUM_LANES) * F32_BYTES  # dq accumulator; lse, D columns
+            temporaries = (_DQ_SCORE_TILES * block_q * block_k + block_q * lanes) * F32_BYTES
         return 2 * (inputs + outputs) + scratch + temporaries
 
     def validate(self, dtype, head_dim: int, kernel: str = "forward") -> None:
@@ -353,3 +345,25 @@ class BlockSizes:
                 f"{have} need about {need / MIB:.1f} MiB of VMEM{where} for head_dim={head_dim} {name}, over the "
                 f"{limit // MIB} MiB scoped limit of {self.generation or current_generation()}; try {fix}"
             )
+
+
+def entry_block_sizes(entry: TuningResult) -> BlockSizes | None:
+    """A tuned table entry's best configuration as ``BlockSizes`` for its generation (None: it has none)."""
+    best = entry.best
+    return None if best is None else BlockSizes(**best.blocks, generation=entry.generation)
+
+
+def lookup(q_len: int, kv_len: int, head_dim: int, dtype, causal: bool, generation: str,
+           table: Mapping[TableKey, TuningResult] | None = None) -> BlockSizes | None:
+    """The tuned forward ``BlockSizes`` for a call: the entry the nearest-entry rule picks
+    (:func:`flashlib.kernels.tuned_table.nearest_entry`), clamped to the call and validated; None when the
+    table has no answer (then :meth:`BlockSizes.default` keeps the generation's preferred blocks)."""
+    entry = nearest_entry(q_len, kv_len, head_dim, jnp.dtype(dtype).name, causal, generation, table)
+    if entry is None:
+        return None
+    sizes = entry_block_sizes(entry).fit(q_len, kv_len, dtype)
+    try:
+        sizes.validate(dtype, head_dim)
+    except ValueError:
+        return None
+    return sizes

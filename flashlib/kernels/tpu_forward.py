@@ -22,9 +22,6 @@ Only blocks that straddle the diagonal or hold padded keys build an element mask
 from __future__ import annotations
 
 import functools
-import math
-from collections.abc import Mapping
-from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -32,37 +29,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from flashlib import cost, env
-from flashlib.api import AttentionShape, validate_inputs
-from flashlib.blockwise import pad_to_multiple
-from flashlib.kernels.block_sizes import MASK_VALUE, NUM_LANES, BlockSizes
-from flashlib.reference import default_scale
+from flashlib import cost, geometry
+from flashlib.geometry import MASK_VALUE
+from flashlib.kernels.block_sizes import BlockSizes
+from flashlib.kernels.options import resolve_call
+from flashlib.kernels.scores import LN_2, LOG2_E, base2_scores, lanes_to
+from flashlib.tiling import NUM_LANES, pad_to_multiple
 
-__all__ = ["check_options", "flash_attention_forward", "resolve_block_sizes", "resolve_call"]
-
-LOG2_E = 1.0 / math.log(2.0)  # exp(x) = exp2(x * log2(e))
-LN_2 = math.log(2.0)
-NT_DIMS = (((1,), (1,)), ((), ()))  # [m, d] x [n, d] -> [m, n]: contract the last dims (q k^T without a transpose)
-
-
-def base2_scores(a: jax.Array, b: jax.Array, scale: float) -> jax.Array:
-    """``a b^T * scale * log2(e)`` in f32: scores in base 2, so the softmax needs ``exp2`` (``exp`` would
-    lower to the same multiply by log2(e) and ``exp2``). ``a [m, d]``, ``b [n, d]`` -> ``[m, n]``.
-
-    The forward and both backward kernels make their scores with this one function, so the backward
-    recomputes the very probabilities the forward normalised. The scale is applied to the f32 product, not
-    folded into ``q`` beforehand: ``q * scale * log2(e)`` rounded back to bfloat16 moves each score by up to
-    ~|s| * 2^-9, which at large logits (|s| ~ 50) made the bf16 forward several times less accurate than
-    naive attention, and — recomputed from the unrounded ``q`` — broke the backward (issue 11).
-    """
-    return lax.dot_general(a, b, NT_DIMS, preferred_element_type=jnp.float32) * (scale * LOG2_E)
-
-
-def _lanes_to(x: jax.Array, width: int) -> jax.Array:
-    """A lane-replicated ``[rows, 128]`` tile as ``[rows, width]``: whole-vreg copies, then a slice."""
-    repeats = -(-width // NUM_LANES)
-    return (jnp.tile(x, (1, repeats)) if repeats > 1 else x)[:, :width]
-
+__all__ = ["flash_attention_forward", "forward", "natural_lse"]
 
 def _forward_kernel(
     q_ref,  # [block_q, head_dim]
@@ -84,7 +58,7 @@ def _forward_kernel(
     block_q, head_dim = q_ref.shape
     num_sub_blocks = k_ref.shape[0] // block_k
     q_block, kv_step = pl.program_id(2), pl.program_id(3)
-    geometry = dict(block_q=block_q, block_k=block_k, q_len=q_len, kv_len=kv_len, causal=causal)
+    block_geometry = dict(block_q=block_q, block_k=block_k, q_len=q_len, kv_len=kv_len, causal=causal)
     # Rows that see no key at all exist only when q_len > kv_len (causal): for them m stays MASK_VALUE and
     # exp2(s - m) would be 1 on masked keys, so their probabilities are masked a second time.
     has_blind_rows = causal and q_len > kv_len
@@ -109,7 +83,7 @@ def _forward_kernel(
             col = lax.broadcasted_iota(jnp.int32, shape, 1)  # [chunk_rows, block_k]
             key_offset = kv_block * block_k  # position of this sub-block's first key
             visible = col < kv_len - key_offset  # [chunk_rows, block_k]   padded keys are never seen
-            # (tpu_backward._mask_scores is the same rule in absolute positions, which the backward prefers)
+            # (backward_kernels._mask_scores is the same rule in absolute positions, which the backward prefers)
             if causal:  # key j visible to query i when j <= i + kv_len - q_len, relative to the tile's corner
                 query_offset = q_block * block_q + row_chunk * chunk_rows
                 visible &= col - row <= query_offset - key_offset + (kv_len - q_len)
@@ -118,14 +92,14 @@ def _forward_kernel(
         m_prev, l_prev = m_ref[rows, :], l_ref[rows, :]  # [chunk_rows, 128]
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))  # [chunk_rows, 128]
         alpha = jnp.exp2(m_prev - m_next)  # [chunk_rows, 128]   rescales what was accumulated so far
-        p = jnp.exp2(s - _lanes_to(m_next, block_k))  # [chunk_rows, block_k]
+        p = jnp.exp2(s - lanes_to(m_next, block_k))  # [chunk_rows, block_k]
         if masked and has_blind_rows:
             p = p * visible.astype(p.dtype)  # [chunk_rows, block_k]   (a select here crashes libtpu's profiler)
         m_ref[rows, :] = m_next
         l_ref[rows, :] = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)  # [chunk_rows, 128]
         v = v_ref[keys, :]  # [block_k, head_dim]
         pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)  # [chunk_rows, head_dim]
-        acc_ref[rows, :] = acc_ref[rows, :] * _lanes_to(alpha, head_dim) + pv  # [chunk_rows, head_dim]
+        acc_ref[rows, :] = acc_ref[rows, :] * lanes_to(alpha, head_dim) + pv  # [chunk_rows, head_dim]
 
     # A causal diagonal sub-block is split into square [block_k, block_k] row chunks when the query block is
     # taller: the chunks above the diagonal are skipped, those below it need no mask.
@@ -137,20 +111,21 @@ def _forward_kernel(
             body(sub_block, kv_block, masked=False)
             continue
         # three kinds of block: skipped, masked (diagonal or padding), plain
-        block_visible = cost.block_is_visible(q_block, kv_block, **geometry)
+        block_visible = geometry.block_is_visible(q_block, kv_block, **block_geometry)
         if num_sub_blocks > 1 and has_padding:  # a sub-block of padding alone (the step was padded to whole copies)
             block_visible &= kv_block * block_k < kv_len
-        needs_mask = cost.block_needs_mask(q_block, kv_block, **geometry)
+        needs_mask = geometry.block_needs_mask(q_block, kv_block, **block_geometry)
         update = functools.partial(body, sub_block, kv_block)
         pl.when(block_visible & ~needs_mask)(functools.partial(update, False))
         if not split_rows:
             pl.when(block_visible & needs_mask)(functools.partial(update, True))
             continue
-        chunk_geometry = dict(geometry, block_q=block_k)
+        chunk_geometry = dict(block_geometry, block_q=block_k)
         for chunk in range(num_chunks):  # the same three kinds again, for each row chunk of a masked block
             chunk_block = q_block * num_chunks + chunk  # index of the [block_k] query chunk in the sequence
-            chunk_visible = block_visible & needs_mask & cost.block_is_visible(chunk_block, kv_block, **chunk_geometry)
-            chunk_needs_mask = cost.block_needs_mask(chunk_block, kv_block, **chunk_geometry)
+            chunk_visible = block_visible & needs_mask & geometry.block_is_visible(
+                chunk_block, kv_block, **chunk_geometry)
+            chunk_needs_mask = geometry.block_needs_mask(chunk_block, kv_block, **chunk_geometry)
             pl.when(chunk_visible & chunk_needs_mask)(functools.partial(update, True, chunk, block_k))
             pl.when(chunk_visible & ~chunk_needs_mask)(functools.partial(update, False, chunk, block_k))
 
@@ -158,57 +133,9 @@ def _forward_kernel(
     def finalize():
         l = l_ref[...]  # noqa: E741  [block_q, 128]
         l_safe = jnp.where(l == 0.0, 1.0, l)  # [block_q, 128]   a row that saw no key: acc = 0 -> out = 0
-        o_ref[...] = (acc_ref[...] * _lanes_to(1.0 / l_safe, head_dim)).astype(o_ref.dtype)  # [block_q, head_dim]
+        o_ref[...] = (acc_ref[...] * lanes_to(1.0 / l_safe, head_dim)).astype(o_ref.dtype)  # [block_q, head_dim]
         if lse_ref is not None:  # in base 2, as the backward recomputes its scores: lse2 = m + log2(l)
             lse_ref[...] = m_ref[...] + jnp.log(l) * LOG2_E  # [block_q, 128]   log(0) = -inf: a row that saw no key
-
-
-class ResolvedCall(NamedTuple):
-    """What a kernel call runs with, checked before anything is traced."""
-
-    shape: AttentionShape
-    sizes: BlockSizes
-    scale: float
-    interpret: Any  # bool | pltpu.InterpretParams
-
-
-def resolve_call(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, scale: float | None,
-                 block_sizes: BlockSizes | None, interpret: Any, backward: bool = False) -> ResolvedCall:
-    """Validate ``q, k, v`` and resolve a call's options: the block sizes (:func:`resolve_block_sizes`, and
-    with ``backward`` their backward fields, :meth:`BlockSizes.for_backward`), the scale (None: 1/sqrt(d))
-    and the interpret mode (None: :func:`flashlib.env.interpret_default`)."""
-    shape = validate_inputs(q, k, v, scale=scale)
-    sizes = resolve_block_sizes(shape, block_sizes, causal)
-    if backward:
-        sizes = sizes.for_backward(shape.q_len, shape.kv_len, shape.head_dim, shape.dtype)
-    scale = default_scale(shape.head_dim) if scale is None else float(scale)
-    interpret = env.interpret_default() if interpret is None else interpret
-    return ResolvedCall(shape, sizes, scale, interpret)
-
-
-def resolve_block_sizes(shape: AttentionShape, block_sizes: BlockSizes | None, causal: bool = False) -> BlockSizes:
-    """The block sizes the kernel will run for ``shape``: the default, or ``block_sizes`` clamped to the
-    sequence lengths (:meth:`BlockSizes.fit`), checked against the dtype's tiling rule and the VMEM budget."""
-    if block_sizes is None:
-        return BlockSizes.default(shape.q_len, shape.kv_len, shape.head_dim, shape.dtype, causal=causal)
-    if not isinstance(block_sizes, BlockSizes):
-        raise ValueError(
-            f"block_sizes must be a flashlib.kernels.BlockSizes or None, got {type(block_sizes).__name__}; "
-            "e.g. block_sizes=BlockSizes(block_q=256, block_k=512)"
-        )
-    fitted = block_sizes.fit(shape.q_len, shape.kv_len, shape.dtype)
-    fitted.validate(shape.dtype, shape.head_dim)
-    return fitted
-
-
-def check_options(shape: AttentionShape, options: Mapping[str, Any]) -> None:
-    """Registry hook: reject bad ``block_sizes``/``interpret`` before anything is traced."""
-    resolve_block_sizes(shape, options.get("block_sizes"))
-    interpret = options.get("interpret")
-    if not (interpret is None or isinstance(interpret, (bool, pltpu.InterpretParams))):
-        raise ValueError(
-            f"interpret must be None (automatic), True, False or a pltpu.InterpretParams, got {interpret!r}"
-        )
 
 
 def flash_attention_forward(
@@ -244,18 +171,18 @@ def flash_attention_forward(
     """
     _, sizes, scale, interpret = resolve_call(q, k, v, causal=causal, scale=scale, block_sizes=block_sizes,
                                               interpret=interpret)
-    result = _forward(q, k, v, causal=bool(causal), scale=scale, sizes=sizes, interpret=interpret,
+    result = forward(q, k, v, causal=bool(causal), scale=scale, sizes=sizes, interpret=interpret,
                       return_lse=return_lse)
     return natural_lse(result) if return_lse else result
 
 
 def natural_lse(result: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
-    """``(out, lse2)`` from :func:`_forward` as ``(out, lse)``: the base-2 log-sum-exp back in natural log."""
+    """``(out, lse2)`` from :func:`forward` as ``(out, lse)``: the base-2 log-sum-exp back in natural log."""
     out, lse2 = result
     return out, lse2 * LN_2
 
 @functools.partial(jax.jit, static_argnames=("causal", "scale", "sizes", "interpret", "return_lse", "out_dtype"))
-def _forward(q, k, v, *, causal: bool, scale: float, sizes: BlockSizes, interpret, return_lse: bool,
+def forward(q, k, v, *, causal: bool, scale: float, sizes: BlockSizes, interpret, return_lse: bool,
              out_dtype=None):
     """The forward kernel on resolved, static settings: ``out``, and with ``return_lse`` the row
     log-sum-exp of the base-2 scores, ``lse2 = lse * log2(e)`` ``[b, h, q_len]`` f32 — the residual the
@@ -275,7 +202,7 @@ def _forward(q, k, v, *, causal: bool, scale: float, sizes: BlockSizes, interpre
 
     def kv_index_map(b, h, i, j):
         if causal:  # past the last needed block, repeat it: same index, so no new HBM -> VMEM copy
-            last_key = jnp.maximum(cost.last_key_seen(i, block_q=block_q, q_len=q_len, kv_len=kv_len), 0)
+            last_key = jnp.maximum(geometry.last_key_seen(i, block_q=block_q, q_len=q_len, kv_len=kv_len), 0)
             # lax.div truncates, i.e. floors a key >= 0; jnp's // would need sign(), which Mosaic lowers per chip
             j = jnp.minimum(j, lax.div(last_key, kv_step))
         return b, h, j, 0
