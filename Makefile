@@ -3,7 +3,8 @@
 #   make lab         create .venv if missing, install flashlib (editable, notebook + test extras), open JupyterLab
 #   make test        lint + library tests + TPU compile checks + strict nbval of every notebook (newest jax)
 #   make test-colab  the same suite in .venv-colab, pinned to Colab's TPU runtime (python3.13, jax 0.7.2)
-#   make notebooks   re-execute every notebook in place (headless) so the stored outputs are fresh
+#   make notebooks   regenerate the setup cells and Colab badges, re-execute every notebook in place
+#   make colab-bundle  dist/flashlib-colab-<version>.zip: the wheel and data/ to upload to Colab
 #
 # Works on any Linux machine with Python >= 3.11 and make; no accelerator needed (Pallas kernels run in
 # interpret mode on the CPU; the TPU compiler in libtpu checks the kernels ahead of time).
@@ -32,10 +33,10 @@ export PYDEVD_DISABLE_FILE_VALIDATION := 1
 
 NBVAL := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg -p no:cacheprovider
 
-.PHONY: help lab test test-colab lint test-lib test-notebooks notebooks clean
+.PHONY: help lab test test-colab lint test-lib test-notebooks notebooks colab-bundle clean
 
 help:
-	@sed -n '3,7p' Makefile | sed 's/^# //'
+	@sed -n '3,8p' Makefile | sed 's/^# //'
 
 $(VENV)/.installed: pyproject.toml
 	@test -n "$(PYTHON)" || { echo "No Python >= 3.11 found; install one (python3.12 preferred)."; exit 1; }
@@ -64,7 +65,7 @@ test: lint
 
 test-colab: $(COLAB_VENV)/.installed
 	$(COLAB_VENV)/bin/python -c 'import jax, sys; print("colab mirror: python", sys.version.split()[0], "jax", jax.__version__)'
-	FLASHLIB_REQUIRE_LIBTPU=1 $(COLAB_VENV)/bin/pytest tests $(NBVAL) $(NOTEBOOKS)
+	FLASHLIB_REQUIRE_LIBTPU=1 FLASHLIB_COLAB_ROUTE=1 $(COLAB_VENV)/bin/pytest tests $(NBVAL) $(NOTEBOOKS)
 
 test-lib: $(VENV)/.installed
 	$(VENV)/bin/pytest tests
@@ -73,11 +74,15 @@ test-notebooks: $(VENV)/.installed
 	$(VENV)/bin/pytest $(NBVAL) $(NOTEBOOKS)
 
 notebooks: $(VENV)/.installed
+	$(VENV)/bin/python notebooks/make_setup_cells.py
 	for nb in $(NOTEBOOKS); do
 	  echo "executing $$nb"
 	  $(VENV)/bin/jupyter nbconvert --to notebook --execute --inplace --ExecutePreprocessor.timeout=600 "$$nb"
 	done
 	$(VENV)/bin/python tests/clean_notebooks.py $(NOTEBOOKS)
 
+colab-bundle: $(VENV)/.installed
+	$(VENV)/bin/python notebooks/make_colab_bundle.py
+
 clean:
-	rm -rf $(VENV) $(COLAB_VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(COLAB_VENV) .pytest_cache .ruff_cache .hypothesis dist

@@ -11,7 +11,7 @@ Modules, one concept each, in layers (a module imports only from its layer or be
 
 * ground — ``api`` (the contract, the registry), ``tiling`` (the (8, 128) rule, padding, kernel names),
   ``geometry`` (the causal mask at element, block and grid grain), ``hardware`` (TPU facts with sources),
-  ``env``, ``data``, ``tpu_compile``, ``provenance``, ``progress``, ``llo_dump``, ``viz``;
+  ``env``, ``data``, ``release``, ``tpu_compile``, ``provenance``, ``progress``, ``llo_dump``, ``viz``;
 * algorithms — ``reference`` (naive, float64 oracle), ``blockwise`` (+ ``blockwise_backward``), ``xla``,
   ``checks``, ``cost``;
 * the Pallas backend — ``kernels`` (``tuned_table``, ``block_sizes``, ``options``, ``candidates``, ``scores``,
@@ -23,11 +23,11 @@ Modules, one concept each, in layers (a module imports only from its layer or be
 """
 
 # Importing the stage modules registers them with the entry point.
-from flashlib import blockwise, checks, data, env, kernels, reference, tpu_compile, xla
+from flashlib import blockwise, checks, data, env, kernels, reference, release, tpu_compile, xla
 from flashlib.api import AttentionShape, attention, get_implementation, implementations, validate_inputs
 from flashlib.kernels import BlockSizes
 
-__version__ = "0.1.0"
+__version__ = release.version()  # pyproject.toml's, the one source
 
 __all__ = [
     "AttentionShape",
@@ -41,6 +41,7 @@ __all__ = [
     "implementations",
     "kernels",
     "reference",
+    "release",
     "tpu_compile",
     "validate_inputs",
     "xla",

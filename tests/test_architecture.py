@@ -19,8 +19,8 @@ PACKAGE = ROOT / "flashlib"
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (  # bottom up
     ("ground: contract, tiling rules, geometry, chip facts, plumbing", (
         "flashlib._compat", "flashlib.env", "flashlib.hardware", "flashlib.tiling", "flashlib.geometry",
-        "flashlib.api", "flashlib.data", "flashlib.progress", "flashlib.provenance", "flashlib.llo_dump",
-        "flashlib.tpu_compile", "flashlib.viz", "flashlib.viz.*",
+        "flashlib.api", "flashlib.data", "flashlib.release", "flashlib.progress", "flashlib.provenance",
+        "flashlib.llo_dump", "flashlib.tpu_compile", "flashlib.viz", "flashlib.viz.*",
     )),
     ("algorithms: the oracle, the pure-JAX stages, the checks, the cost model", (
         "flashlib.reference", "flashlib.blockwise_backward", "flashlib.blockwise", "flashlib.xla", "flashlib.checks",

@@ -1,0 +1,161 @@
+"""The Colab route, run as Colab runs it: the generated setup cell in a fresh environment with Colab's pins,
+a stand-in ``google.colab`` module, an empty working folder outside the repository, and the source given
+first as a git URL of this checkout (tagged with its release), then as the uploaded bundle; notebook 00 and a
+kernel notebook execute against that install, never against the repository tree, and load the data.
+
+Slow (a fresh environment: about two minutes of installs), so it runs under ``make test-colab`` only
+(``FLASHLIB_COLAB_ROUTE=1``); it uses the checkout's committed HEAD, as CI's clean clone has it. The cheap
+checks — every notebook's setup cell and badge are the generated ones — run everywhere."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flashlib import release
+
+ROOT = Path(__file__).resolve().parents[1]
+COLAB_ROUTE = os.environ.get("FLASHLIB_COLAB_ROUTE") == "1"
+needs_route = pytest.mark.skipif(not COLAB_ROUTE, reason="the simulated Colab install runs under make test-colab")
+# Colab's TPU runtime, as tests/colab-constraints.txt pins it, plus what runs a notebook.
+PACKAGES = ["jax[tpu]", "jaxlib", "numpy", "matplotlib", "ipywidgets", "ipykernel", "nbclient", "nbformat"]
+KERNEL_NOTEBOOK = "05_pallas_on_tpu.ipynb"
+# Appended to each executed notebook: where flashlib came from, its version, where the data came from.
+PROBE = """import json, os, flashlib
+from flashlib.data import load_attention_data
+sample = load_attention_data()
+print(json.dumps({"file": flashlib.__file__, "version": flashlib.__version__, "data": os.environ["FLASHLIB_DATA"],
+                  "sentences": len(sample.sentences)}))"""
+
+
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "notebooks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+setup_cells = _script("make_setup_cells")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Everywhere: the notebooks carry the generated cells
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_every_notebook_has_the_generated_setup_cell_and_badge():
+    stale = [path.name for path in setup_cells.stale_files()]
+    assert not stale, f"{stale} differ from pyproject.toml's release: run `make notebooks`"
+
+
+def test_a_drifted_setup_cell_is_noticed(tmp_path):
+    drifted = tmp_path / "00_start_here.ipynb"
+    nb = json.loads((ROOT / "notebooks" / drifted.name).read_text())
+    setup = next(c for c in nb["cells"] if setup_cells.SETUP_TAG in c["metadata"].get("tags", []))
+    setup["source"] = [line.replace('FLASHLIB_VERSION = "', 'FLASHLIB_VERSION = "0.') for line in setup["source"]]
+    drifted.write_text(json.dumps(nb))
+    assert not setup_cells.notebook_is_current(drifted)
+
+
+def test_the_cells_come_from_the_declared_home():
+    source = setup_cells.setup_source()
+    assert f'FLASHLIB_HOME = "{release.declared_home()}"' in source
+    assert f'FLASHLIB_VERSION = "{release.version()}"' in source and release.DISTRIBUTION in source
+    home = release.declared_home()
+    if release.is_placeholder(home):
+        assert release.colab_url("00_start_here.ipynb") is None
+        assert setup_cells.badge_source("00_start_here.ipynb") == setup_cells.UNPUBLISHED
+    published = "https://github.com/someone/flashlib"
+    assert release.colab_url("00_start_here.ipynb", home=published, release="0.1.0") == (
+        "https://colab.research.google.com/github/someone/flashlib/blob/v0.1.0/notebooks/00_start_here.ipynb")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Under make test-colab: the install itself
+# ---------------------------------------------------------------------------------------------------
+
+
+def _run(*command, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([str(c) for c in command], check=True, capture_output=True, text=True, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def colab(tmp_path_factory):
+    """``(python, home_url, env)``: a fresh venv with Colab's pins and a stand-in google.colab imported at
+    start-up (as Colab's kernel has it), and a bare git repository of this checkout tagged with the release."""
+    root = tmp_path_factory.mktemp("colab")
+    venv = root / "venv"
+    _run(sys.executable, "-m", "venv", venv)
+    python = venv / "bin" / "python"
+    _run(python, "-m", "pip", "install", "--quiet", "-c", ROOT / "tests" / "colab-constraints.txt", *PACKAGES)
+    site = Path(_run(python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])").stdout.strip())
+    (site / "google" / "colab").mkdir(parents=True, exist_ok=True)
+    (site / "google" / "colab" / "__init__.py").write_text('"""Stand-in for Colab\'s own module."""\n')
+    (site / "zz_colab_stand_in.pth").write_text("import google.colab\n")
+    home = root / "home.git"
+    _run("git", "clone", "--quiet", "--bare", ROOT, home)
+    _run("git", "-C", home, "tag", "--force", release.release_tag(), "HEAD")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "FLASHLIB_DATA", "VIRTUAL_ENV")}
+    env.update(JAX_PLATFORMS="cpu", MPLBACKEND="Agg", PATH=f"{venv / 'bin'}:{env['PATH']}")
+    return python, f"file://{home}", env
+
+
+def _execute(python: Path, notebook: str, folder: Path, env: dict) -> dict:
+    """Run ``notebook`` (copied alone into ``folder``, the kernel's working folder) with the probe appended;
+    return what the probe printed."""
+    shutil.copy(ROOT / "notebooks" / notebook, folder / notebook)
+    runner = (
+        "import json, sys, nbformat, nbclient\n"
+        "nb = nbformat.read(sys.argv[1], as_version=4)\n"
+        "nb.cells.append(nbformat.v4.new_code_cell(sys.argv[2]))\n"
+        "nbclient.NotebookClient(nb, timeout=1200, kernel_name='python3',\n"
+        "                        resources={'metadata': {'path': sys.argv[3]}}).execute()\n"
+        "print(nb.cells[-1].outputs[-1]['text'])\n"
+    )
+    done = _run(python, "-c", runner, folder / notebook, PROBE, folder, env=env, cwd=folder)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _check_install(probe: dict, folder: Path, data_folder: str) -> None:
+    assert not Path(probe["file"]).is_relative_to(ROOT), f"flashlib was imported from the repository: {probe}"
+    assert "site-packages" in probe["file"]
+    assert probe["version"] == release.version()
+    assert Path(probe["data"]) == folder / data_folder and probe["sentences"] > 0
+
+
+@needs_route
+def test_the_setup_cell_refuses_the_placeholder_home(colab, tmp_path):
+    python, _, env = colab
+    if not release.is_placeholder(release.declared_home()):
+        pytest.skip("the home is published")
+    done = subprocess.run([python, "-c", setup_cells.setup_source()], cwd=tmp_path, env=env, capture_output=True,
+                          text=True)
+    assert done.returncode != 0 and "not published yet" in done.stderr and "make colab-bundle" in done.stderr
+    assert list(tmp_path.iterdir()) == []  # nothing was cloned or downloaded
+
+
+@needs_route
+def test_installs_from_a_git_home_and_runs_the_notebooks(colab, tmp_path):
+    python, home, env = colab
+    for notebook in ("00_start_here.ipynb", KERNEL_NOTEBOOK):
+        probe = _execute(python, notebook, tmp_path, {**env, "FLASHLIB_SOURCE": home})
+        _check_install(probe, tmp_path, "flashlib-src/data")
+
+
+@needs_route
+def test_installs_from_the_uploaded_bundle(colab, tmp_path):
+    python, _, env = colab
+    _run(python, "-m", "pip", "uninstall", "--quiet", "--yes", release.DISTRIBUTION, env=env)
+    bundle = _script("make_colab_bundle").build(tmp_path / "dist")
+    folder = tmp_path / "content"
+    folder.mkdir()
+    shutil.copy(bundle, folder / bundle.name)
+    probe = _execute(python, "00_start_here.ipynb", folder, env)
+    _check_install(probe, folder, "flashlib-colab/data")
