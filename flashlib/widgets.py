@@ -5,12 +5,19 @@ step changes. Every function returns the widget (a ``VBox``) without displaying 
 
 Portable across ipywidgets 7 (Colab) and 8: only ``IntSlider``, ``Play``, ``Dropdown``, ``jslink``,
 ``HBox``/``VBox`` and ``interactive_output`` are used. ipywidgets is imported inside the functions, so
-``import flashlib`` works without it. A notebook rendered without a kernel (on GitHub, say) shows no widgets:
-pair each explorer with a static picture (:func:`flashlib.viz.filmstrip` of the same steps, or the plot it redraws).
+``import flashlib`` works without it.
+
+A notebook rendered without a kernel (GitHub, nbviewer, ``jupyter nbconvert --to html``, JupyterLab before
+Run All) cannot show a widget. So each explorer's output carries, beside the widget view, a still picture of
+its first view (``image/png``) and a line of text saying what it is: a live frontend shows the widget, a
+static one the picture (:class:`ExplorerBox`).
 """
 
 from __future__ import annotations
 
+import base64
+import functools
+import io
 from collections.abc import Callable, Mapping
 
 import numpy.typing as npt
@@ -20,7 +27,9 @@ from matplotlib.figure import Figure
 from flashlib import perf_plots, viz
 from flashlib.tuning import TableKey, TuningResult
 
-__all__ = ["block_size_explorer", "online_softmax_explorer", "step_through", "tiling_explorer"]
+__all__ = ["block_size_explorer", "explorer_box", "online_softmax_explorer", "step_through", "tiling_explorer"]
+
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 
 
 def _show(fig: Figure) -> None:
@@ -32,6 +41,43 @@ def _show(fig: Figure) -> None:
     from IPython.display import display
 
     display(fig)
+
+
+@functools.cache
+def _explorer_class():
+    """:class:`ExplorerBox`, made on first use (ipywidgets is imported lazily)."""
+    import ipywidgets as widgets
+
+    class ExplorerBox(widgets.VBox):
+        """A ``VBox`` whose output also holds a still picture and a text line for frontends without a kernel.
+
+        Its display bundle is the widget view first (what a live frontend renders), then ``image/png`` (what
+        GitHub, nbviewer and nbconvert's HTML render) and ``text/plain`` (instead of the children's repr).
+        Works with ipywidgets 7 (``_ipython_display_``) and 8 (``_repr_mimebundle_``)."""
+
+        still_png: str = ""
+        still_text: str = ""
+
+        def _repr_mimebundle_(self, include=None, exclude=None):
+            view = {"model_id": self.model_id, "version_major": 2, "version_minor": 0}
+            return {WIDGET_VIEW: view, "image/png": self.still_png, "text/plain": self.still_text}
+
+        def _ipython_display_(self, **kwargs):
+            from IPython.display import display
+
+            display(self._repr_mimebundle_(), raw=True)
+
+    return ExplorerBox
+
+
+def explorer_box(children, still: Figure, what: str):
+    """A ``VBox`` of ``children`` that shows ``still`` (the explorer's first view) where widgets cannot run."""
+    buffer = io.BytesIO()
+    still.savefig(buffer, format="png", dpi=80, bbox_inches="tight")
+    box = _explorer_class()(children)
+    box.still_png = base64.b64encode(buffer.getvalue()).decode("ascii")
+    box.still_text = f"[{what}: an interactive widget; run the notebook to use it. The picture is its first view.]"
+    return box
 
 
 def step_through(
@@ -62,7 +108,10 @@ def step_through(
         _show(fig)
 
     output = widgets.interactive_output(redraw, {"step": slider})
-    return widgets.VBox([widgets.HBox([play, slider]), output])
+    still = viz.new_figure(figsize)
+    draw_step(0, still.add_subplot())
+    what = f"{num_steps} steps, {description} by {description}"
+    return explorer_box([widgets.HBox([play, slider]), output], still, what)
 
 
 def tiling_explorer(
@@ -144,7 +193,7 @@ def block_size_explorer(table: Mapping[TableKey, TuningResult], *, figsize: tupl
     causal = widgets.Dropdown(options=[("no", False), ("yes", True)], description="causal")
     dtype = keys[0].dtype
 
-    def redraw(generation: str, seq: int, head_dim: int, causal: bool) -> None:
+    def draw(generation: str, seq: int, head_dim: int, causal: bool) -> Figure:
         fig = viz.new_figure(figsize)
         ax = fig.add_subplot()
         entry = table.get(TableKey(generation, dtype, causal, head_dim, seq, seq))
@@ -154,8 +203,13 @@ def block_size_explorer(table: Mapping[TableKey, TuningResult], *, figsize: tupl
         else:
             perf_plots.plot_block_cycles(perf_plots.block_grid(entry), ax=ax)
             ax.set_xlabel(f"block_k\n{_entry_summary(entry)}", fontsize=8)
-        _show(fig)
+        return fig
+
+    def redraw(generation: str, seq: int, head_dim: int, causal: bool) -> None:
+        _show(draw(generation, seq, head_dim, causal))
 
     controls = {"generation": generation, "seq": seq, "head_dim": head_dim, "causal": causal}
     output = widgets.interactive_output(redraw, controls)
-    return widgets.VBox([widgets.HBox([generation, seq]), widgets.HBox([head_dim, causal]), output])
+    still = draw(generation.value, seq.value, head_dim.value, causal.value)
+    return explorer_box([widgets.HBox([generation, seq]), widgets.HBox([head_dim, causal]), output], still,
+                        "block-size explorer over the tuned table")

@@ -83,7 +83,11 @@ def test_the_cells_come_from_the_declared_home():
 
 
 def _run(*command, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run([str(c) for c in command], check=True, capture_output=True, text=True, **kwargs)
+    done = subprocess.run([str(c) for c in command], capture_output=True, text=True, **kwargs)
+    if done.returncode:
+        tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-30:])
+        raise AssertionError(f"{' '.join(str(c) for c in command[:3])} ... exited {done.returncode}:\n{tail}")
+    return done
 
 
 @pytest.fixture(scope="module")

@@ -241,7 +241,26 @@ def test_step_through_redraws_on_slider_change(shown):
     play, slider = box.children[0].children
     assert (play.max, slider.max, slider.description) == (4, 4, "k")
     slider.value = 3
-    assert calls == [0, 3] and len(shown) == 2
+    assert calls == [0, 0, 3] and len(shown) == 2  # step 0 shown, step 0 again as the still picture, step 3
+
+
+def test_an_explorer_carries_a_still_picture_for_frontends_without_a_kernel(monkeypatch):
+    """A static render (GitHub, nbconvert's HTML) picks the PNG, not the ``VBox(children=...)`` repr; a live
+    frontend picks the widget view, listed first."""
+    import base64
+
+    import IPython.display
+
+    box = widgets.tiling_explorer(128, 128, 64, 32, causal=True)
+    bundle = box._repr_mimebundle_()
+    assert list(bundle) == [widgets.WIDGET_VIEW, "image/png", "text/plain"]
+    assert bundle[widgets.WIDGET_VIEW]["model_id"] == box.model_id
+    assert base64.b64decode(bundle["image/png"]).startswith(b"\x89PNG")
+    assert "interactive widget" in bundle["text/plain"] and "VBox" not in bundle["text/plain"]
+    displayed = []
+    monkeypatch.setattr(IPython.display, "display", lambda data, raw=False: displayed.append((data, raw)))
+    box._ipython_display_()  # what IPython calls with ipywidgets 7 (Colab's)
+    assert displayed == [(bundle, True)]
 
 
 def test_tiling_explorer_redraws(shown):
