@@ -102,7 +102,7 @@ def colab(tmp_path_factory):
     site = Path(_run(python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])").stdout.strip())
     (site / "google" / "colab").mkdir(parents=True, exist_ok=True)
     (site / "google" / "colab" / "__init__.py").write_text('"""Stand-in for Colab\'s own module."""\n')
-    (site / "google" / "colab" / "output.py").write_text('"""Stand-in: jax imports it when google.colab is loaded."""\n')
+    (site / "google" / "colab" / "output.py").write_text('"""Stand-in: jax imports it on Colab."""\n')
     (site / "zz_colab_stand_in.pth").write_text("import google.colab\n")
     home = root / "home.git"
     _run("git", "clone", "--quiet", "--bare", ROOT, home)
