@@ -72,7 +72,7 @@ def test_the_cells_come_from_the_declared_home():
     if release.is_placeholder(home):
         assert release.colab_url("00_start_here.ipynb") is None
         assert setup_cells.badge_source("00_start_here.ipynb") == setup_cells.UNPUBLISHED
-    published = "https://github.com/someone/flashlib"
+    published = "https://github.com/someone/flashlib"  # a string to format, never fetched
     assert release.colab_url("00_start_here.ipynb", home=published, release="0.1.0") == (
         "https://colab.research.google.com/github/someone/flashlib/blob/v0.1.0/notebooks/00_start_here.ipynb")
 
