@@ -61,3 +61,18 @@ def test_dependency_floors_do_not_exceed_colab():
 def test_ci_runs_the_readme_test_command():
     assert "make test" in (ROOT / ".ci/run").read_text()
     assert "make test" in (ROOT / "README.md").read_text()
+
+
+def test_no_requirement_has_an_upper_bound():
+    """An upper bound (or an exact pin) below what Colab ships would downgrade it on install: a restart."""
+    requirements = PYPROJECT["project"]["dependencies"] + [
+        r for extra in PYPROJECT["project"]["optional-dependencies"].values() for r in extra
+    ]
+    capped = [r for r in requirements if re.search(r"(<|==|~=)", r)]
+    assert not capped, f"drop the upper bounds: {capped}"
+
+
+def test_the_distribution_is_ours_and_declares_one_home():
+    project = PYPROJECT["project"]
+    assert project["name"] == "flashlib-tutorial"  # "flashlib" on the package index is someone else's
+    assert set(project["urls"]) == {"Source"}
