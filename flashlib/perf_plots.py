@@ -56,6 +56,8 @@ __all__ = [
 
 IMPL_COLORS: dict[str, str] = {"xla": SERIES_COLORS[0], "pallas": SERIES_COLORS[1], "jax_flash": SERIES_COLORS[4]}
 IMPL_NAMES: dict[str, str] = {"xla": "XLA (fused)", "pallas": "flashlib (Pallas)", "jax_flash": "JAX flash_attention"}
+RATIO_SCALE = (1.0, 2.0)  # heat-map colours: multiple of the best, x1 lightest, x2 and beyond darkest
+DARK_RATIO = 1.5  # from here the cell's label is white
 STATIC_NOTE = "libtpu's static estimate, compiled ahead of time: not a TPU measurement"
 
 
@@ -110,20 +112,23 @@ _STATUS_LABELS = {"refused": "refused\n(VMEM)", "profiler_crash": "profiler\ncra
 
 def plot_block_cycles(grid: BlockGrid, ax: Axes | None = None, title: str | None = None) -> Figure:
     """Heat map of estimated cycles over ``block_q`` (rows) x ``block_k`` (columns), each cell labelled with
-    its cycles and its multiple of the best; the best is framed, cells without an estimate say why."""
+    its cycles and its multiple of the best; the best is framed, cells without an estimate say why.
+
+    The colour is the multiple of the best on one absolute scale (:data:`RATIO_SCALE`: white at x1, dark red
+    from x2), the same for every panel: a cell 1% off the best looks like the best, whatever the panel's range.
+    """
     fig, ax = figure_and_axes(ax, (1.6 + 1.25 * len(grid.block_ks), 1.2 + 0.9 * len(grid.block_qs)))
     ok = ~np.isnan(grid.cycles)
-    if ok.any():
-        low, high = np.nanmin(grid.cycles), np.nanmax(grid.cycles)
-        ax.imshow(np.ma.masked_invalid(grid.cycles), cmap="YlOrRd", norm=LogNorm(low, max(high, low * 1.01)))
-    ax.imshow(np.where(ok, np.nan, 1.0), cmap="Greys", vmin=0, vmax=4)  # no estimate: light grey
     best = np.nanmin(grid.cycles) if ok.any() else np.nan
-    worst = np.nanmax(grid.cycles) if ok.any() else np.nan
+    ratio = grid.cycles / best  # [nq, nk], NaN where there is no estimate
+    if ok.any():
+        ax.imshow(np.ma.masked_invalid(ratio), cmap="YlOrRd", norm=LogNorm(*RATIO_SCALE, clip=True))
+    ax.imshow(np.where(ok, np.nan, 1.0), cmap="Greys", vmin=0, vmax=4)  # no estimate: light grey
     for i in range(len(grid.block_qs)):
         for j in range(len(grid.block_ks)):
             if ok[i, j]:
-                text = f"{grid.cycles[i, j] / 1e3:,.0f}k\n×{grid.cycles[i, j] / best:.2f}"
-                dark = worst > best and np.log(grid.cycles[i, j] / best) > 0.6 * np.log(worst / best)
+                text = f"{grid.cycles[i, j] / 1e3:,.0f}k\n×{ratio[i, j]:.2f}"
+                dark = ratio[i, j] > DARK_RATIO
             else:
                 text, dark = _STATUS_LABELS.get(grid.status[i, j], "not tried"), False
             ax.text(j, i, text, ha="center", va="center", fontsize=8, color="white" if dark else PALETTE["ink"])
@@ -170,9 +175,8 @@ def plot_vmem_by_blocks(head_dim: int, dtype, block_qs: Sequence[int] = (128, 25
         ax.plot(block_ks, mib, "o-", color=color, ms=4, label=f"block_q={block_q}")
     for generation, style in zip(generations, cycle(["--", ":", "-."])):
         limit = vmem_limit_bytes(generation) / MIB
-        ax.axhline(limit, color=PALETTE["masked"], ls=style, lw=1.2)
-        ax.text(block_ks[0], limit * 1.06, f"{generation} scoped limit {limit:g} MiB", fontsize=8,
-                color=PALETTE["masked"])
+        # in the legend, not beside the line: two limits a factor 2 apart collide as text on a log axis
+        ax.axhline(limit, color=PALETTE["masked"], ls=style, lw=1.2, label=f"{generation} scoped limit {limit:g} MiB")
     ax.set(xscale="log", yscale="log")
     ax.set_xticks(list(block_ks), labels=[str(b) for b in block_ks])
     ax.xaxis.set_minor_locator(NullLocator())
@@ -253,21 +257,31 @@ def plot_optimisation_steps(rows: Sequence[Row], value: str = "cycles", baseline
     return _label(ax, "optimisation step (see the table)", f"estimated {value.replace('_', ' ')}", title)
 
 
+def _series_styles(story: Mapping[tuple[Any, ...], Sequence[Row]]) -> list[tuple[str, Any, str]]:
+    """``(colour, line style, marker)`` per shape, never repeated: the colour by the shape's second key (the
+    sequence length), the line style by its first (the chip), the marker by its third (causal or not)."""
+    shapes = list(story)
+    lengths = dict.fromkeys(s[1:2] for s in shapes)
+    colours = {key: SERIES_COLORS[i % len(SERIES_COLORS)] for i, key in enumerate(lengths)}
+    styles = {key: ["-", "--", ":", "-."][i % 4] for i, key in enumerate(dict.fromkeys(s[:1] for s in shapes))}
+    return [(colours[s[1:2]], styles[s[:1]], "s" if len(s) > 2 and s[2] else "o") for s in shapes]
+
+
 def plot_steps_vs_baseline(story: Mapping[tuple[Any, ...], Sequence[Row]], value: str = "cycles",
                            baseline: str = "jax_best", ax: Axes | None = None, title: str | None = None) -> Figure:
     """All shapes of a :func:`group_steps` story on one chart: ``value`` over ``baseline`` (JAX's best) at each
     step, one line per shape; below the dashed line at 1, flashlib's kernel is estimated faster than JAX's."""
     fig, ax = figure_and_axes(ax, (7.5, 4.4))
     order = list(dict.fromkeys(row["step"] for rows in story.values() for row in rows))  # steps as first recorded
-    for (shape, rows), color in zip(story.items(), cycle(SERIES_COLORS[1:] + SERIES_COLORS[:1])):
+    for (shape, rows), (color, style, marker) in zip(story.items(), _series_styles(story), strict=True):
         shared = first_number(rows, baseline)
         points = [(order.index(r["step"]), r[value] / (r[baseline] if is_number(r.get(baseline)) else shared))
                   for r in rows if shared or is_number(r.get(baseline))]
         if points:
             xs, ys = zip(*points, strict=True)
             name = " ".join(str(part) for part in shape[:2]) + (" causal" if len(shape) > 2 and shape[2] else "")
-            ax.plot(xs, ys, "o-", color=color, label=name, ms=5)
-    ax.axhline(1.0, color=PALETTE["ink"], ls="--", lw=1.2, label="JAX's best")
+            ax.plot(xs, ys, marker=marker, ls=style, color=color, label=name, ms=5)
+    ax.axhline(1.0, color=PALETTE["ink"], ls=(0, (6, 3)), lw=1.0, label="JAX's best")
     ax.set_xticks(range(len(order)), labels=[textwrap.fill(str(step), 12) for step in order], fontsize=8)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     ax.grid(True, alpha=0.3)

@@ -121,7 +121,8 @@ def test_plot_vmem_by_blocks_draws_the_block_sizes_estimate():
     assert [line.get_label() for line in lines] == ["block_q=256", "block_q=1024"]
     expected = [BlockSizes(1024, bk).vmem_bytes(128, jnp.bfloat16) / MIB for bk in (256, 512, 1024)]
     np.testing.assert_allclose(lines[1].get_ydata(), expected)
-    assert "v5e scoped limit 16 MiB" in _texts(fig) and "v6e scoped limit 32 MiB" in _texts(fig)
+    limits = [line.get_label() for line in fig.axes[0].lines if "scoped limit" in line.get_label()]
+    assert limits == ["v5e scoped limit 16 MiB", "v6e scoped limit 32 MiB"]  # legend entries: no text collides
 
 
 # -- implementations -------------------------------------------------------------------------------
@@ -183,6 +184,29 @@ def test_group_steps_keeps_the_best_row_per_step_and_shape():
     story = perf_plots.group_steps(rows, "cycles", skip_steps=("jax",))
     assert list(story) == [("v5e", 2048, False), ("v6e", 2048, False)]
     assert [r["cycles"] for r in story[("v5e", 2048, False)]] == [300, 240]
+
+
+def test_plot_block_cycles_colours_the_multiple_of_the_best_on_one_scale():
+    """Two panels whose ranges differ: a cell 1% off the best gets the same colour in both."""
+    narrow = perf_plots.BlockGrid((256, 512), (256,), np.array([[100.0], [101.0]]), np.array([["ok"], ["ok"]]),
+                                  1.0, "narrow")
+    wide = perf_plots.BlockGrid((256, 512), (256,), np.array([[100.0], [300.0]]), np.array([["ok"], ["ok"]]),
+                                1.0, "wide")
+    colours = []
+    for grid in (narrow, wide):
+        image = perf_plots.plot_block_cycles(grid).axes[0].images[0]
+        colours.append(image.cmap(image.norm(image.get_array()))[..., :3])
+    np.testing.assert_allclose(colours[0][0, 0], colours[1][0, 0])  # the best: the same, lightest colour
+    assert np.abs(colours[0][1, 0] - colours[0][0, 0]).max() < 0.05  # 1% off looks like the best
+    assert np.abs(colours[1][1, 0] - colours[1][0, 0]).max() > 0.3  # 3x off is dark
+
+
+def test_the_step_chart_never_repeats_a_series_style():
+    shapes = [(g, n, c) for g in ("v5e", "v6e") for n in (2048, 4096, 8192) for c in (False, True)]
+    fig = perf_plots.plot_steps_vs_baseline({shape: STEPS for shape in shapes})
+    styles = [(line.get_color(), line.get_linestyle(), line.get_marker()) for line in fig.axes[0].lines
+              if line.get_label() != "JAX's best"]
+    assert len(styles) == 12 and len(set(styles)) == 12
 
 
 def test_plot_steps_vs_baseline_draws_each_shape_over_jax():
