@@ -56,6 +56,29 @@ CLAIMS: dict[str, list[Claim]] = {
         Claim("falls by 45% here, not 50%", r"K and V: 45% less"),
         Claim("that 11%\nof the full traffic does not shrink at all", r"Q and O: 11% of the full traffic, unchanged"),
     ],
+    "03_online_softmax.ipynb": [
+        Claim("At $j = 1$ and $j = 3$ the maximum grows and the sum so far shrinks by $e^{-2}$",
+              r" 1\s+3\.0\s+3\.0\s+0\.1353\s+1\.1353\n 2\s+2\.0\s+3\.0\s+1\.0000\s+1\.5032\n"
+              r" 3\s+5\.0\s+5\.0\s+0\.1353"),
+        Claim("where the\nmaximum jumps from 3 to 5", r" 2\s+2\.0\s+3\.0\s+1\.0000\s+1\.5032\n 3\s+5\.0\s+5\.0\s+"),
+        Claim("its scores against the 16 keys of the sentence",
+              r"\[CLS\] the animal didn ' t cross the street because it was too tired \. \[SEP\]"),
+        Claim("**block 1** holds nothing larger, so $\\alpha = 1$", r"\n\s+1\s+4- 7\s+3\.246\s+3\.246\s+1\.000\s"),
+        Claim("the old sum is scaled by $\\alpha \\approx 0.91$", r"\n\s+2\s+8-11\s+3\.246\s+3\.342\s+0\.908\s"),
+        Claim("**block 3** contains \"tired\", the key this head cares about", r'"it" attends most to "tired"'),
+        Claim("everything seen\n  before shrinks by $\\alpha \\approx 0.2$",
+              r"\n\s+3\s+12-15\s+3\.342\s+4\.949\s+0\.201\s"),
+    ],
+    "04_flash_attention_in_jax.ipynb": [
+        Claim("six sentences of 14 to 18 tokens", r"sentence lengths: \[16, 16, 18, 15, 14, 16\]"),
+        Claim("a partial last block for the sentences of 14, 15 and 18 tokens",
+              r"sentence lengths: \[16, 16, 18, 15, 14, 16\]"),
+        Claim("All four pass.", r"passed: q_len=237, kv_len=100, causal=True matches the float64 oracle"),
+        Claim("where the naive score matrix alone is 1 GiB",
+              r"passed: naive at N = 16384: at least one float32 score matrix, 1 GiB"),
+        Claim("At 16k\n  tokens the scores alone are 1 GiB per head",
+              r"passed: naive at N = 16384: at least one float32 score matrix, 1 GiB"),
+    ],
 }
 
 
