@@ -129,6 +129,22 @@ def test_plot_online_softmax_step():
     assert f"{viz.online_softmax_trace(s, np.ones(20), 6)[1]['l']:.4g}" in _texts(fig)
 
 
+def test_the_online_softmax_picture_shows_weights_shrinking_by_alpha():
+    s = np.array([0.0, 1.0, -1.0, 3.0, 0.5, 2.0])
+    fig = viz.plot_online_softmax_step(s, 3, 1)  # block 1 raises the max from 1 to 3: alpha = e^-2
+    ax = fig.axes[0]
+    now, before = ax.containers[0], ax.containers[1]  # the weights, and the earlier block's outlines
+    heights = np.array([bar.get_height() for bar in now])
+    np.testing.assert_allclose(heights, np.exp(s - 3.0))  # every seen key against the running max
+    outline = np.array([bar.get_height() for bar in before])
+    np.testing.assert_allclose(heights[:3] / outline, np.exp(1.0 - 3.0))  # shrunk by alpha, all alike
+    assert heights.max() == 1.0 and ax.get_ylabel().startswith("weight")
+    scores = viz.plot_online_softmax_step(s, 3, 1, show="scores").axes[0]
+    np.testing.assert_allclose([bar.get_height() for bar in scores.containers[0]], s)
+    with pytest.raises(ValueError, match="show"):
+        viz.plot_online_softmax_step(s, 3, 1, show="logits")
+
+
 def test_plot_attention_map_and_given_axes():
     tokens = ["the", "cat", "sat", "down"]
     probs = np.full((4, 4), 0.25)

@@ -62,16 +62,21 @@ def online_softmax_trace(scores: npt.ArrayLike, values: npt.ArrayLike, block: in
 def plot_online_softmax_step(
     scores_row: npt.ArrayLike, block: int, step: int, ax: Axes | None = None, *,
     values: npt.ArrayLike | None = None, legend: bool = True,
-    title: str | None = None,
+    title: str | None = None, show: str = "weights",
 ) -> Figure:
     """One row of scores streamed in blocks: the running state after folding in block ``step`` (0-based).
 
-    Bars are the scores: blocks already seen are pale, the block just folded in is strong, the rest grey.
-    Lines mark the running max ``m`` (solid), the max before this block ``m_old`` (dotted) and the true row
-    max (dashed). The box (``legend=True``) compares ``m`` and ``l`` with their final values, gives the rescale
-    factor ``alpha = exp(m_old - m)`` applied to the old ``l`` and ``acc``, and the share of the final softmax
-    mass seen so far, ``l exp(m - m_final) / l_final``; with ``values`` also ``acc / l`` (its first entry),
-    the output over the keys seen so far. With ``legend=False`` (small panels) the key numbers go in the title.
+    ``show="weights"`` (the default) draws what the state holds: each key's weight ``exp(s - m)`` against the
+    running max ``m``, at most 1. Keys of the blocks seen before are pale, with an outline at the height they
+    had before this block (``exp(s - m_old)``): when the max grows, they all shrink by the same factor
+    ``alpha``. The block just folded in is strong; keys not seen yet are grey ticks at 0.
+    ``show="scores"`` draws the raw scores instead, with lines at the running max ``m`` (solid), the max
+    before this block ``m_old`` (dotted) and the true row max (dashed).
+
+    The box (``legend=True``) compares ``m`` and ``l`` with their final values, gives the rescale factor
+    ``alpha = exp(m_old - m)`` applied to the old ``l`` and ``acc``, and the share of the final softmax mass seen
+    so far, ``l exp(m - m_final) / l_final``; with ``values`` also ``acc / l`` (its first entry), the output over
+    the keys seen so far. With ``legend=False`` (small panels) the key numbers go in the title.
     """
     s = np.asarray(scores_row, dtype=np.float64)
     if s.ndim != 1:
@@ -82,20 +87,35 @@ def plot_online_softmax_step(
     cur, final = trace[step], trace[-1]
     m, m_old, alpha, l, m_fin, l_fin = (float(x) for x in (cur["m"], cur["m_old"], cur["alpha"], cur["l"],
                                                            final["m"], final["l"]))
+    if show not in ("weights", "scores"):
+        raise ValueError(f"show must be 'weights' or 'scores', got {show!r}")
     fig, ax = figure_and_axes(ax, (8.0, 4.0))
     idx = np.arange(s.size)
-    ax.bar(idx, s, width=0.85, color=[to_rgba(PALETTE["K"], 0.4) if k < cur["lo"] else to_rgba(PALETTE["K"])
-                                      if k < cur["hi"] else to_rgba(PALETTE["skipped"], 0.5) for k in idx])
-    ax.axhline(0.0, color=PALETTE["ink"], lw=0.6)
+    colors = [to_rgba(PALETTE["K"], 0.4) if k < cur["lo"] else to_rgba(PALETTE["K"]) if k < cur["hi"]
+              else to_rgba(PALETTE["skipped"], 0.5) for k in idx]
+    if show == "weights":
+        seen = idx < cur["hi"]
+        weights = np.where(seen, np.exp(s - m), 0.0)  # [n]  what l and acc are made of, against the running m
+        ax.bar(idx, weights, width=0.85, color=colors, label="weight exp(s − m)")
+        ax.plot(idx[~seen], np.zeros(int((~seen).sum())), "|", color=PALETTE["skipped"], ms=8)
+        if step > 0:  # the earlier blocks before this block's rescale: alpha times taller than now
+            before = idx < cur["lo"]
+            ax.bar(idx[before], np.exp(s[before] - m_old), width=0.85, fill=False, edgecolor=PALETTE["masked"],
+                   lw=1.0, ls="--", label=f"before this block (× α = {alpha:.2f} since)")
+        ax.axhline(1.0, color=PALETTE["ink"], ls="--", lw=0.8)
+        ax.set_ylim(0.0, 1.0 + (0.9 if legend else 0.1))
+    else:
+        ax.bar(idx, s, width=0.85, color=colors)
+        ax.axhline(0.0, color=PALETTE["ink"], lw=0.6)
+        ax.axhline(m_fin, color=PALETTE["ink"], ls="--", lw=1, label=f"final max {m_fin:.2f}")
+        ax.axhline(m, color=PALETTE["masked"], lw=1.8, label=f"running m = {m:.2f}")
+        if np.isfinite(m_old):
+            ax.axhline(m_old, color=PALETTE["masked"], lw=1.2, ls=":", label=f"m_old = {m_old:.2f}")
+        low, high = min(0.0, float(s.min())), max(0.0, float(s.max()))
+        ax.set_ylim(low - 0.05 * (high - low), high + (0.8 if legend else 0.1) * max(high - low, 1e-9))
     for lo, _ in block_spans(s.size, block)[1:]:
         ax.axvline(lo - 0.5, color=PALETTE["ink"], lw=0.6, ls=":", alpha=0.6)
     ax.axvspan(cur["lo"] - 0.5, cur["hi"] - 0.5, color=PALETTE["K"], alpha=0.08)
-    ax.axhline(m_fin, color=PALETTE["ink"], ls="--", lw=1, label=f"final max {m_fin:.2f}")
-    ax.axhline(m, color=PALETTE["masked"], lw=1.8, label=f"running m = {m:.2f}")
-    if np.isfinite(m_old):
-        ax.axhline(m_old, color=PALETTE["masked"], lw=1.2, ls=":", label=f"m_old = {m_old:.2f}")
-    low, high = min(0.0, float(s.min())), max(0.0, float(s.max()))
-    ax.set_ylim(low - 0.05 * (high - low), high + (0.8 if legend else 0.1) * max(high - low, 1e-9))
     heading = title or f"after block {step}/{len(trace) - 1} (keys {cur['lo']}–{cur['hi'] - 1})"
     if legend:
         lines = [f"m_old = {m_old:.3g} → m = {m:.3g}   (final {m_fin:.3g})",
@@ -111,6 +131,6 @@ def plot_online_softmax_step(
     elif title is None:
         heading += f"\nm = {m:.3g}, α = {alpha:.3g}, l = {l:.3g}"
     ax.set_xlabel("key index")
-    ax.set_ylabel("score")
+    ax.set_ylabel("weight exp(s − m)" if show == "weights" else "score")
     ax.set_title(heading, fontsize=10)
     return fig
