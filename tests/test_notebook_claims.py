@@ -79,6 +79,31 @@ CLAIMS: dict[str, list[Claim]] = {
         Claim("At 16k\n  tokens the scores alone are 1 GiB per head",
               r"passed: naive at N = 16384: at least one float32 score matrix, 1 GiB"),
     ],
+    "07_backward_pass.ipynb": [
+        Claim("none of which is in the 1.3 ps", r"recompute S:\s+1\.3 ps of MXU time per score"),
+        Claim("the backward costs 2.5× the forward", r"5 matmuls, 2\.5x the forward's 2"),
+        Claim("five matmuls, 2.5× the forward", r"5 matmuls, 2\.5x the forward's 2"),
+        Claim("4 + 3 = 7 matmuls instead of 5 — 3.5× the forward",
+              r"backward kernels: 3\.5x the forward kernel's flops"),
+        Claim("7 matmuls, 3.5× the forward", r"backward kernels: 3\.5x the forward kernel's flops"),
+    ],
+    "08_performance.ipynb": [
+        Claim("(0.81 at $T = 1024$ after 0.64", r"v6e: flashlib / XLA = [^\n]*T=512: 0\.64, T=1024: 0\.81"),
+        Claim("from $T = 512$ on both chips the kernel is",
+              r"v5e: flashlib / XLA[^\n]*\n\s*flashlib is estimated faster from T=512\n(.|\n)*"
+              r"v6e: flashlib / XLA[^\n]*\n\s*flashlib is estimated faster from T=512"),
+        Claim("The winners use most of v5e's budget (11 to 15 of 16 MiB)",
+              r"v5e T=1024 causal=False: best q1024/k512 needs 11\.0 of 16 MiB(.|\n)*"
+              r"v5e T=2048 causal=False: best q1024/k512 needs 15\.0 of 16 MiB"),
+        Claim("compute bound on v5e (ridge 241)", r"v5e: peak 197 TFLOP/s bf16, HBM 819 GB/s, ridge 241 FLOP/B"),
+        Claim("below v6e's ridge of 560", r"v6e: peak 918 TFLOP/s bf16, HBM 1638 GB/s, ridge 560 FLOP/B"),
+        Claim("(v5e ≈ 240, v6e ≈ 560 FLOP/B)", r"ridge 241 FLOP/B(.|\n)*ridge 560 FLOP/B"),
+        Claim("Yet the XLA points sit *above* the memory roof",
+              r"v5e: points above the roof: xla 6/6(.|\n)*v6e: points above the roof: xla 6/6"),
+        Claim("v6e's derived clock, which the cell above calls implausibly high",
+              r"the derived clock \(3\.5 GHz\) is implausibly high"),
+        Claim("scoped-VMEM limit (16 MiB v5e, 32 MiB v6e)", r"needs [\d.]+ of 16 MiB(.|\n)*needs [\d.]+ of 32 MiB"),
+    ],
 }
 
 
