@@ -249,12 +249,18 @@ def plot_optimisation_steps(rows: Sequence[Row], value: str = "cycles", baseline
         if level is not None:
             ax.axhline(level, color=PALETTE["ink"], ls=style, lw=1.2, label=f"{label} {level / 1e3:,.0f}k")
             top = max(top, level)
-    ax.set_xticks(x, labels=[textwrap.fill(str(r["step"]), 12) for r in rows], fontsize=8)
+    ax.set_xticks(x, labels=[_step_label(r["step"]) for r in rows], fontsize=8)
     ax.set_ylim(0, top * 1.25)
     ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y / 1e3:,.0f}k"))
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8, loc="upper right")
     return _label(ax, "optimisation step (see the table)", f"estimated {value.replace('_', ' ')}", title)
+
+
+def _step_label(step: object, width: int = 12) -> str:
+    """A step name wrapped at ``_`` and ``-`` (never inside a word): ``fused_dq_blocks`` -> ``fused_dq_\nblocks``."""
+    parts = str(step).replace("_", "_ ").replace("-", "- ").split(" ")
+    return textwrap.fill(" ".join(parts), width, break_long_words=False).replace("_ ", "_").replace("- ", "-")
 
 
 def _series_styles(story: Mapping[tuple[Any, ...], Sequence[Row]]) -> list[tuple[str, Any, str]]:
@@ -282,7 +288,7 @@ def plot_steps_vs_baseline(story: Mapping[tuple[Any, ...], Sequence[Row]], value
             name = " ".join(str(part) for part in shape[:2]) + (" causal" if len(shape) > 2 and shape[2] else "")
             ax.plot(xs, ys, marker=marker, ls=style, color=color, label=name, ms=5)
     ax.axhline(1.0, color=PALETTE["ink"], ls=(0, (6, 3)), lw=1.0, label="JAX's best")
-    ax.set_xticks(range(len(order)), labels=[textwrap.fill(str(step), 12) for step in order], fontsize=8)
+    ax.set_xticks(range(len(order)), labels=[_step_label(step) for step in order], fontsize=8)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     ax.grid(True, alpha=0.3)
     return _label(ax, "optimisation step", f"{value.replace('_', ' ')} / JAX's best (lower is better)", title)

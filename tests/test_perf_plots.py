@@ -244,3 +244,8 @@ def test_block_size_explorer_redraws_from_the_table(shown):
     assert len(shown) == 3 and f"{entry.best.cycles:,} cycles" in _texts(shown[-1])
     with pytest.raises(ValueError, match="table is empty"):
         widgets.block_size_explorer({})
+
+
+def test_step_names_wrap_between_words_not_inside_them():
+    assert perf_plots._step_label("fused_dq_defaults") == "fused_dq_\ndefaults"
+    assert perf_plots._step_label("bigger blocks") == "bigger\nblocks" and perf_plots._step_label("0") == "0"
