@@ -198,7 +198,9 @@ def test_plot_vmem_budget_totals_and_limits():
     configs = {"small": {"blocks": 2 * mib, "scratch": 1 * mib}, "big": {"blocks": 12 * mib, "scratch": 8 * mib}}
     fig = viz.plot_vmem_budget(configs, {"v5e": 16 * mib, "v6e": 32 * mib}, title="budget")
     texts = _text_list(fig)
-    assert " 3.0 MiB" in texts and " 20.0 MiB" in texts and " v5e: 16 MiB" in texts
+    assert " 3.0 MiB" in texts and " 20.0 MiB" in texts
+    limits = [line.get_label() for line in fig.axes[0].lines]
+    assert limits == ["v5e: 16 MiB", "v6e: 32 MiB"]  # in the legend, where two close limits cannot collide
     over = [t for t in fig.axes[0].texts if t.get_text() == " 20.0 MiB"][0]
     assert over.get_color() == viz.PALETTE["masked"]  # over the smallest limit: red
     assert len(fig.axes[0].patches) == 4  # two bars of two parts
@@ -207,7 +209,7 @@ def test_plot_vmem_budget_totals_and_limits():
 def test_plot_tpu_anatomy_names_every_memory_and_unit():
     fig = viz.plot_tpu_anatomy(hbm="32 GB · 1640 GB/s", chip="TPU v6e")
     texts = _text_list(fig)
-    for name in ("HBM", "VMEM", "scalar unit + SMEM", "VPU", "MXU", "8 sublanes", "128 lanes →"):
+    for name in ("HBM", "VMEM", "scalar unit + SMEM", "VPU", "EUP", "XLU", "MXU", "8 sublanes", "128 lanes →"):
         assert name in texts, name
     assert any("32 GB · 1640 GB/s" in t for t in texts) and "one TensorCore (TPU v6e)" in texts
 

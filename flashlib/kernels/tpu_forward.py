@@ -1,22 +1,26 @@
 """The Pallas TPU flash-attention forward kernel (stage 5 of the series), the forward of ``impl="pallas"``.
 
 The algorithm is :mod:`flashlib.blockwise`'s, with the ``scan`` replaced by a Pallas grid
-``(batch, heads, num_q_blocks, num_kv_blocks)``. Pallas copies one ``[block_q, head_dim]`` query tile and
-one ``[block_k, head_dim]`` key and value tile into VMEM per step (double-buffered: the next step's copy
-overlaps this step's compute); the running softmax state lives in f32 VMEM scratch that persists across
-the innermost, sequential ("arbitrary") key axis:
+``(batch, heads, num_q_blocks, num_kv_steps)``. Pallas copies one ``[block_q, head_dim]`` query tile and
+one ``[block_k_major, head_dim]`` key and value slab into VMEM per step (``BlockSizes.kv_step``; double-buffered:
+the next step's copy overlaps this step's compute), and the body walks that slab in ``block_k`` sub-blocks.
+The running softmax state lives in f32 VMEM scratch that persists across the innermost, sequential
+("arbitrary") key axis:
 
-* ``init``     (first key block): ``m = MASK_VALUE``, ``l = 0``, ``acc = 0``;
-* ``body``     (every visible key block): scores on the MXU, online-softmax update of ``m``, ``l``, ``acc``;
-* ``finalize`` (last key block): ``out = acc / l`` — one division per row, deferred as in FlashAttention-2.
+* ``init``     (first key step): ``m = MASK_VALUE``, ``l = 0``, ``acc = 0``;
+* ``body``     (every visible sub-block): base-2 scores on the MXU (:func:`~flashlib.kernels.scores.base2_scores`),
+  online-softmax update of ``m``, ``l``, ``acc`` with ``exp2``;
+* ``finalize`` (last key step): ``out = acc / l`` — one division per row, deferred as in FlashAttention-2.
 
 ``m`` and ``l`` are stored lane-replicated, ``[block_q, 128]`` rather than ``[block_q]``: a row statistic
 then already has the layout of a score tile's row, and broadcasting it against ``[block_q, block_k]`` is a
 cheap copy of whole vregs, never a cross-lane shuffle.
 
 Causal attention skips the blocks above the diagonal twice over: ``body`` does not run (a ``pl.when`` on
-the program ids) and the k/v index maps clamp to the last needed block, so the pipeline issues no copy.
-Only blocks that straddle the diagonal or hold padded keys build an element mask.
+the program ids, per sub-block) and the k/v index maps clamp to the last needed step, so the pipeline issues
+no copy; the skipped grid steps themselves remain. Only sub-blocks that straddle the diagonal or hold padded
+keys build an element mask, and when ``block_q > block_k`` a masked sub-block is split into row chunks of
+``block_k`` rows, each again skipped, masked or plain (:mod:`flashlib.geometry` decides all of it).
 """
 
 from __future__ import annotations

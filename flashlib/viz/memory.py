@@ -101,14 +101,13 @@ def plot_vmem_budget(
         ax.text(total, yi, f" {total:.1f} MiB", va="center", fontsize=8,
                 color=PALETTE["masked"] if total > smallest else PALETTE["ink"])
     for (name, limit), style in zip(limits.items(), cycle(["--", ":", "-."])):
-        ax.axvline(limit / mib, color=PALETTE["ink"], ls=style, lw=1.2)
-        ax.text(limit / mib, len(names) - 0.45, f" {name}: {limit / mib:g} MiB", fontsize=8, va="bottom",
-                color=PALETTE["ink"])
+        # named in the legend, not beside the line: limits close together (16 and 32 MiB on a wide axis) collide
+        ax.axvline(limit / mib, color=PALETTE["ink"], ls=style, lw=1.2, label=f"{name}: {limit / mib:g} MiB")
     ax.set_yticks(y, labels=names)
     ax.set_ylim(-0.6, len(names) - 0.1)
     ax.set_xlim(0, max(float(left.max(initial=0.0)), max(limits.values(), default=0) / mib) * 1.22)
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, 0.0), borderaxespad=4.6, ncol=max(len(parts), 1), fontsize=8,
-              frameon=False)  # under the x label
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, 0.0), borderaxespad=4.6, ncol=max(len(parts) + len(limits), 1),
+              fontsize=8, frameon=False)  # under the x label
     ax.set_xlabel("VMEM (MiB)")
     if title:
         ax.set_title(title, fontsize=10)

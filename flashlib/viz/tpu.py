@@ -45,16 +45,17 @@ def plot_tpu_anatomy(
     HBM holds the whole arrays; a kernel's BlockSpecs copy blocks of them into VMEM by DMA (double-buffered,
     so the next step's copy overlaps this step's compute); the scalar unit reads SMEM and runs the grid loop
     and the index maps; vector registers of ``[8 sublanes × 128 lanes]`` 32-bit values feed the VPU
-    (elementwise) and the MXUs (matmuls). The keyword arguments are the figures printed in the boxes
-    (defaults: TPU v5e, per TensorCore).
+    (elementwise), the EUP (transcendentals: ``exp``, ``exp2``, ``log``, reciprocals), the XLU (cross-lane
+    work: transposes, the last step of a row reduction) and the MXUs (matmuls). The keyword arguments are the
+    figures printed in the boxes (defaults: TPU v5e, per TensorCore; v6e: ``mxu="2 × 256×256"``).
     """
     fig, ax = figure_and_axes(ax, (11.0, 5.6))
     ink = PALETTE["ink"]
     _box(ax, 0.0, 0.3, 2.3, 5.3, "HBM", f"{hbm}\n\nthe whole arrays:\nq, k, v, out\n\noff-chip memory:\n"
          "large, but far\nslower than VMEM", PALETTE["skipped"], alpha=0.35)
-    ax.add_patch(FancyBboxPatch((3.4, 0.0), 8.2, 5.9, boxstyle="round,pad=0.02,rounding_size=0.15",
+    ax.add_patch(FancyBboxPatch((3.4, 0.0), 8.65, 5.9, boxstyle="round,pad=0.02,rounding_size=0.15",
                                 facecolor="none", edgecolor=ink, lw=1.2, ls="--"))
-    ax.text(7.5, 6.0, f"one TensorCore ({chip})", ha="center", va="bottom", fontsize=10, color=ink)
+    ax.text(7.7, 6.0, f"one TensorCore ({chip})", ha="center", va="bottom", fontsize=10, color=ink)
     _box(ax, 3.6, 4.1, 2.9, 1.6, "scalar unit + SMEM", f"SMEM {smem}: scalars.\nRuns the grid loop and\n"
          "the index maps; issues DMAs", PALETTE["O"])
     _box(ax, 3.6, 0.3, 2.9, 3.5, "VMEM", f"{vmem}\n\nthis step's blocks of\nq, k, v, out (two of each:\n"
@@ -70,13 +71,20 @@ def plot_tpu_anatomy(
     ax.text(x0 + w / 2, y0 + h + 0.08, "128 lanes →", ha="center", va="bottom", fontsize=8, color=ink)
     ax.text(x0 - 0.06, y0 + h / 2, "8 sublanes", ha="right", va="center", rotation=90, fontsize=8, color=ink)
     ax.text(x0 + w / 2, y0 - 0.08, "one vreg", ha="center", va="top", fontsize=8, color=ink)
-    _box(ax, 9.9, 3.0, 1.5, 2.7, "VPU", "elementwise\non whole\nvregs: +, ×,\nmax, exp,\nwhere", PALETTE["V"])
-    _box(ax, 9.9, 0.3, 1.5, 2.4, "MXU", f"{mxu}\nsystolic\nmatmul:\nbf16 in,\nf32 out", PALETTE["S"], alpha=0.3)
+    units = (  # (title, body, colour, alpha), top to bottom, each fed from the vector registers
+        ("VPU", "elementwise on vregs:\n+, ×, max, where", PALETTE["V"], 0.18),
+        ("EUP", "transcendentals:\nexp, exp2, log, 1/x", PALETTE["K"], 0.18),
+        ("XLU", "cross-lane: transpose,\nrow reductions", PALETTE["O"], 0.18),
+        ("MXU", f"{mxu} systolic\nmatmul: bf16 in, f32 out", PALETTE["S"], 0.3),
+    )
+    height, gap = 1.2, 0.2
+    for i, (name, body, color, alpha) in enumerate(units):
+        y = 5.7 - (i + 1) * height - i * gap
+        _box(ax, 9.8, y, 2.1, height, name, body, color, alpha=alpha)
+        _arrow(ax, (9.25, y + height / 2), (9.75, y + height / 2))
     _arrow(ax, (2.35, 2.0), (3.55, 2.0), "DMA\n(BlockSpec\ncopies)")
     _arrow(ax, (6.55, 2.0), (7.15, 2.0), "load/\nstore")
-    _arrow(ax, (9.25, 4.3), (9.85, 4.3))
-    _arrow(ax, (9.25, 1.5), (9.85, 1.5))
-    ax.set_xlim(-0.1, 11.7)
+    ax.set_xlim(-0.1, 12.2)
     ax.set_ylim(-0.15, 6.4)
     ax.set_aspect("equal")
     ax.axis("off")
