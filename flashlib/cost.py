@@ -29,7 +29,7 @@ from typing import Protocol
 
 import numpy as np
 
-from flashlib.geometry import first_query_blocks, last_kv_blocks, visited_blocks
+from flashlib.geometry import first_query_blocks, forward_tiles, last_kv_blocks, visited_blocks
 from flashlib.tiling import F32_BYTES, KERNELS, NUM_LANES, NUM_SUBLANES, round_up
 
 __all__ = [
@@ -117,13 +117,15 @@ def attention_flops(
 
     With ``block_sizes`` (as the kernel runs them, i.e. after :meth:`BlockSizes.fit`): every visited
     ``[block_q, block_k]`` block in full, padding included (a ``block_k_major`` copy is walked in ``block_k``
-    sub-blocks, each skipped or computed on its own).
+    sub-blocks, each skipped or computed on its own), except that a diagonal sub-block split into row chunks
+    counts only the chunks it runs (:func:`flashlib.geometry.forward_tiles`).
     """
     if block_sizes is None:
         scores = visible_pairs(q_len, kv_len, causal)
     else:
         bq, bk = block_sizes.block_q, block_sizes.block_k
-        scores = visited_blocks(q_len, kv_len, bq, bk, causal) * bq * bk
+        whole, chunks = forward_tiles(q_len, kv_len, bq, bk, causal)
+        scores = whole * bq * bk + chunks * bk * bk
     return batch * heads * scores * _MATMULS * _FLOPS_PER_MAC * head_dim
 
 
@@ -146,9 +148,10 @@ def attention_transcendentals(
     if block_sizes is None:
         return batch * heads * (visible_pairs(q_len, kv_len, causal) + (q_len if with_lse else 0))
     bq, bk = block_sizes.block_q, block_sizes.block_k
-    visited = visited_blocks(q_len, kv_len, bq, bk, causal)
+    whole, chunks = forward_tiles(q_len, kv_len, bq, bk, causal)
     q_rows = round_up(q_len, bq)
-    per_head = visited * (bq * bk + bq * NUM_LANES) + (q_rows * NUM_LANES if with_lse else 0)
+    per_head = (whole * (bq * bk + bq * NUM_LANES) + chunks * (bk * bk + bk * NUM_LANES)
+                + (q_rows * NUM_LANES if with_lse else 0))
     return batch * heads * per_head
 
 

@@ -6,8 +6,8 @@ Bottom-right alignment throughout (the KV-cache convention of FlashAttention >= 
 * elements — :func:`causal_visible`, for the oracle, the pure-JAX stages and the kernels' element masks;
 * blocks — :func:`block_is_visible`, :func:`block_needs_mask`, :func:`last_key_seen`,
   :func:`first_query_seeing`: what a kernel's ``pl.when`` guards and index maps decide per grid step;
-* grids — :func:`first_query_blocks`, :func:`last_kv_blocks`, :func:`visited_blocks`: the same decisions
-  for a whole grid at once, which :mod:`flashlib.cost` counts.
+* grids — :func:`first_query_blocks`, :func:`last_kv_blocks`, :func:`visited_blocks`, :func:`forward_tiles`:
+  the same decisions for a whole grid at once, which :mod:`flashlib.cost` counts.
 
 Everything is plain arithmetic, so one function runs on Python ints, NumPy arrays and the traced program
 ids inside a kernel: the kernel and its cost estimate cannot disagree about a block. Like JAX's splash
@@ -27,8 +27,10 @@ __all__ = [
     "causal_visible",
     "first_query_blocks",
     "first_query_seeing",
+    "forward_tiles",
     "last_key_seen",
     "last_kv_blocks",
+    "splits_rows",
     "visited_blocks",
 ]
 
@@ -105,3 +107,27 @@ def visited_blocks(q_len: int, kv_len: int, block_q: int, block_k: int, causal: 
     geometry = dict(block_q=block_q, block_k=block_k, q_len=q_len, kv_len=kv_len, causal=causal)
     visible = block_is_visible(q_blocks, kv_blocks, **geometry)  # [nq, nk], or True when not causal
     return int(np.broadcast_to(visible, (q_blocks.size, kv_blocks.size)).sum())
+
+
+def splits_rows(block_q: int, block_k: int, causal: bool) -> bool:
+    """Whether the forward kernel runs a masked sub-block as ``[block_k]``-row chunks, each skipped, masked or
+    plain on its own: causal, with ``block_q`` a multiple of a smaller ``block_k`` (so a chunk is square)."""
+    return causal and block_q > block_k and block_q % block_k == 0
+
+
+def forward_tiles(q_len: int, kv_len: int, block_q: int, block_k: int, causal: bool) -> tuple[int, int]:
+    """``(sub-blocks, row chunks)``: the whole ``[block_q, block_k]`` sub-blocks and the ``[block_k, block_k]``
+    row chunks one (batch, head) of the forward kernel computes. Without row chunks (:func:`splits_rows`) every
+    visited sub-block is whole; with them, a sub-block that needs a mask runs only its visible chunks."""
+    q_blocks = np.arange(round_up(q_len, block_q) // block_q)[:, None]  # [nq, 1]
+    kv_blocks = np.arange(round_up(kv_len, block_k) // block_k)[None, :]  # [1, nk]
+    grid = (q_blocks.size, kv_blocks.size)
+    geometry = dict(block_q=block_q, block_k=block_k, q_len=q_len, kv_len=kv_len, causal=causal)
+    visible = np.broadcast_to(block_is_visible(q_blocks, kv_blocks, **geometry), grid)  # [nq, nk]
+    if not splits_rows(block_q, block_k, causal):
+        return int(visible.sum()), 0
+    masked = visible & np.broadcast_to(block_needs_mask(q_blocks, kv_blocks, **geometry), grid)  # [nq, nk]
+    chunks = block_q // block_k
+    chunk_blocks = (q_blocks * chunks)[..., None] + np.arange(chunks)  # [nq, 1, chunks]: chunk index in the sequence
+    chunk_visible = block_is_visible(chunk_blocks, kv_blocks[..., None], **dict(geometry, block_q=block_k))
+    return int((visible & ~masked).sum()), int((masked[..., None] & chunk_visible).sum())

@@ -180,6 +180,32 @@ def test_ideal_counts():
     assert cost.attention_bytes(b, h, n, n, d, False, "bfloat16") == b * h * 4 * n * d * 2
 
 
+@pytest.mark.parametrize("q_len, kv_len, block_q, block_k", [(1024, 1024, 512, 128), (300, 700, 256, 128),
+                                                           (700, 300, 512, 256), (1024, 1024, 128, 256)])
+def test_forward_tiles_are_the_row_chunks_the_kernel_runs(q_len, kv_len, block_q, block_k):
+    """Counted element by element: a sub-block runs whole unless it needs a mask and is split into row chunks,
+    and then only the chunks whose rows see one of its keys run."""
+    rows = np.arange(-(-q_len // block_q) * block_q)  # padded query rows: they count as the kernel counts them
+    whole = chunks = 0
+    split = block_q > block_k and block_q % block_k == 0
+    for kv_block in range(-(-kv_len // block_k)):
+        keys = np.arange(kv_block * block_k, (kv_block + 1) * block_k)
+        seen = keys[None, :] <= rows[:, None] + kv_len - q_len  # [rows, keys]
+        for q_block in range(len(rows) // block_q):
+            tile = seen[q_block * block_q:(q_block + 1) * block_q]
+            if not tile.any():
+                continue
+            needs_mask = not tile.all() or keys[-1] >= kv_len
+            if split and needs_mask:
+                chunks += sum(tile[c:c + block_k].any() for c in range(0, block_q, block_k))
+            else:
+                whole += 1
+    assert geometry.forward_tiles(q_len, kv_len, block_q, block_k, causal=True) == (whole, chunks)
+    sizes = BlockSizes(block_q, block_k)
+    assert cost.attention_flops(1, 1, q_len, kv_len, 64, True, sizes) == (
+        (whole * block_q * block_k + chunks * block_k * block_k) * 2 * 2 * 64)
+
+
 def test_causal_counts_only_visited_blocks():
     sizes = BlockSizes(128, 128)
     full = cost.attention_flops(1, 1, 1024, 1024, 128, False, sizes)

@@ -107,7 +107,7 @@ def _forward_kernel(
 
     # A causal diagonal sub-block is split into square [block_k, block_k] row chunks when the query block is
     # taller: the chunks above the diagonal are skipped, those below it need no mask.
-    split_rows = causal and block_q > block_k and block_q % block_k == 0
+    split_rows = geometry.splits_rows(block_q, block_k, causal)
     num_chunks = block_q // block_k if split_rows else 1
     for sub_block in range(num_sub_blocks):  # unrolled: each sub-block is skipped, masked or plain on its own
         kv_block = kv_step * num_sub_blocks + sub_block  # index of the [block_k] key block in the sequence
