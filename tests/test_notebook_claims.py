@@ -135,6 +135,9 @@ CLAIMS: dict[str, list[Claim]] = {
         Claim("compute bound on v5e (ridge 241)", r"v5e: peak 197 TFLOP/s bf16, HBM 819 GB/s, ridge 241 FLOP/B"),
         Claim("below v6e's ridge of 560", r"v6e: peak 918 TFLOP/s bf16, HBM 1638 GB/s, ridge 560 FLOP/B"),
         Claim("(v5e ≈ 240, v6e ≈ 560 FLOP/B)", r"ridge 241 FLOP/B(.|\n)*ridge 560 FLOP/B"),
+        Claim("by 2.0x to 3.3x on v5e\n  and up to 7.8x on v6e",
+              r"v5e: points above[^\n]*\n\s+xla's counted bytes / estimated time: 2\.0x to 3\.3x the HBM bandwidth\n"
+              r"v6e: points above[^\n]*\n\s+xla's counted bytes / estimated time: 2\.5x to 7\.8x"),
         Claim("Yet the XLA points sit *above* the memory roof",
               r"v5e: points above the roof: xla 6/6(.|\n)*v6e: points above the roof: xla 6/6"),
         Claim("v6e's derived clock, which the cell above calls implausibly high",
