@@ -183,12 +183,11 @@ def check_attention_grads(
 def exercise(name: str, attempt: Callable[[], Any], checker: Callable[[Any], object]) -> None:
     """Run an exercise: ``attempt()`` produces the reader's answer, ``checker(answer)`` prints passed or raises.
 
-    A stub that still raises ``NotImplementedError`` is reported as not attempted (no traceback), so a
-    notebook with unsolved exercises still runs top to bottom.
+    A stub that still raises ``NotImplementedError`` — when ``attempt()`` calls it, or when the checker does
+    (``attempt`` may return the reader's function itself, as for :mod:`flashlib.exercises`) — is reported as
+    not attempted (no traceback), so a notebook with unsolved exercises still runs top to bottom.
     """
     try:
-        answer = attempt()
+        checker(attempt())
     except NotImplementedError:
         print(f"{name}: not attempted yet — fill in the stub above, then run this cell again")
-        return
-    checker(answer)
