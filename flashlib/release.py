@@ -10,6 +10,7 @@ fetched from it by mistake, and :func:`is_placeholder` says so.
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import tomllib
 from pathlib import Path
@@ -20,6 +21,7 @@ DISTRIBUTION = "flashlib-tutorial"  # `pip install flashlib-tutorial`; `import f
 _PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"  # present in a checkout, not in a wheel
 
 
+@functools.cache  # read once per process: every setup cell and badge the generator writes asks for it
 def _pyproject() -> dict | None:
     if not _PYPROJECT.is_file():
         return None
