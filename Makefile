@@ -75,6 +75,7 @@ test-notebooks: $(VENV)/.installed
 
 notebooks: $(VENV)/.installed
 	$(VENV)/bin/python notebooks/make_setup_cells.py
+	$(VENV)/bin/python notebooks/make_hint_cells.py
 	for nb in $(NOTEBOOKS); do
 	  echo "executing $$nb"
 	  $(VENV)/bin/jupyter nbconvert --to notebook --execute --inplace --ExecutePreprocessor.timeout=600 "$$nb"

@@ -25,15 +25,16 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (  # bottom up
     )),
     ("algorithms: the oracle, the pure-JAX stages, the checks, the cost model", (
         "flashlib.reference", "flashlib.blockwise_backward", "flashlib.blockwise", "flashlib.xla", "flashlib.checks",
-        "flashlib.cost", "flashlib.exercises", "flashlib.exercises.*",
+        "flashlib.cost",
     )),
     ("the Pallas backend: tuned-table reader, block sizes, options, kernels", (
         "flashlib.kernels", "flashlib.kernels.*",
     )),
     ("the public surface", ("flashlib",)),
     ("measurement: static estimates, the performance lab's tables", ("flashlib.estimate", "flashlib.perf_data")),
-    ("top: tuning sweep, benchmark, plots, widgets", (
+    ("top: tuning sweep, benchmark, plots, widgets, the learner's puzzles and exercises (they check every stage)", (
         "flashlib.tuning", "flashlib.bench", "flashlib.perf_plots", "flashlib.widgets",
+        "flashlib.exercises", "flashlib.exercises.*",
     )),
 )
 MAX_LINES = 400

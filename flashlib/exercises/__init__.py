@@ -1,8 +1,27 @@
-"""The notebooks' exercise checkers, importable so that a test can run each one on the stub, on plausible
-wrong answers and on a solution (``tests/test_exercises.py``). One module per notebook; a checker builds its
-own cases, prints ``passed: ...`` or raises :class:`flashlib.checks.CheckFailed` with a message that names
-the failing case in words and the likely mistake. Notebooks call them through :func:`flashlib.checks.exercise`.
+"""The learner's side of the notebooks: puzzles (the learner writes a stage's central code from a spec and a
+stub) and exercises, with checkers importable so that a test runs each one on the stub, on plausible wrong
+answers and on a solution (``tests/test_exercises_*.py``).
 
-So far: notebook 03 (:mod:`flashlib.exercises.online_softmax`). The other notebooks' checkers still live in
-their cells and move here one notebook at a time (issue 13).
+One module per notebook; a checker builds its own cases, prints ``passed: ...`` or raises
+:class:`flashlib.checks.CheckFailed` with a message that names the failing case in words and the likely mistake.
+Puzzles are :class:`~flashlib.exercises.puzzle.Puzzle` objects (checker, solution, graded hints; the notebook
+falls back to the solution until the learner's version passes); exercises are run through
+:func:`flashlib.checks.exercise`.
+
+==========================  ========  ======================================================================
+module                      notebook  what the learner writes
+==========================  ========  ======================================================================
+``start_here``              00        the first checks
+``softmax``                 01        stable softmax, attention from it
+``tiling``                  02        tiled QK^T and PV
+``online_softmax``          03        the online update, the state merge, a merge tree
+``flash_jax``               04        blockwise flash attention with causal masking and padding
+``pallas_basics``           05        a BlockSpec / index-map kernel, an accumulator kernel
+``flash_kernel``            06        the forward kernel's body, causal skipping with a clamped index map
+``backward``                07        the dK/dV kernel with causal skipping, the dQ kernel
+``performance``             08        block sizes chosen by the compiler's estimate under a VMEM budget
+==========================  ========  ======================================================================
+
+This package sits at the top of the layers (it checks every stage, kernels and estimates included); nothing in
+the library imports it.
 """

@@ -1,0 +1,97 @@
+"""A puzzle: a piece of a notebook's central construction that the learner writes from a spec and a stub.
+
+A :class:`Puzzle` holds what a notebook needs besides the learner's cell: the checker (prints ``passed: ...``
+or raises :class:`~flashlib.checks.CheckFailed` naming the failing case in words and the likely mistake), a
+solution (the short teaching version, also the fallback), and graded hints whose last level is the solution.
+
+In a notebook the learner's stub cell is followed by::
+
+    stable_softmax = puzzles.STABLE_SOFTMAX.use(stable_softmax)
+
+which checks the attempt and hands back the learner's function when it passes; otherwise (a stub that still
+raises ``NotImplementedError``, or an answer the checker rejects) it says so and hands back the solution, so
+a reader who skips a puzzle still runs the rest of the notebook on a working version. Errors the learner's
+code raises itself (a ``TypeError``, a Mosaic error) propagate with their traceback: that is what they debug.
+
+The hints are drawn in the notebook as collapsed markdown by ``notebooks/make_hint_cells.py`` from this one
+source (a test checks they are current); ``puzzle.hint(level)`` prints the same text in a cell.
+"""
+
+from __future__ import annotations
+
+import inspect
+import textwrap
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from flashlib.checks import CheckFailed
+
+__all__ = ["Puzzle"]
+
+
+@dataclass(frozen=True)
+class Puzzle:
+    """One puzzle: ``checker(answer)`` judges the learner's answer (usually a function), ``solution`` is a
+    correct answer of the same kind, ``hints`` go from a nudge to nearly the code (the solution is the level
+    after the last hint)."""
+
+    label: str  # "puzzle 1: stable softmax", as the notebook's heading names it
+    checker: Callable[[Any], object]
+    solution: Any
+    hints: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.hints) < 2:
+            raise ValueError(f"Puzzle {self.label!r}: give at least two graded hints before the solution")
+
+    def check(self, answer: Any) -> None:
+        """Run the checker on ``answer`` (raises :class:`CheckFailed` or ``NotImplementedError`` for a stub)."""
+        self.checker(answer)
+
+    def use(self, answer: Any) -> Any:
+        """Check ``answer``; return it when it passes, otherwise say why and return the solution instead."""
+        try:
+            self.checker(answer)
+        except NotImplementedError:
+            print(f"{self.label}: not attempted yet — the rest of this notebook uses flashlib's version "
+                  "(fill in the stub, then run it and this cell again)")
+            return self.solution
+        except CheckFailed as failure:
+            print(failure)
+            print(f"{self.label}: not passed yet — the rest of this notebook uses flashlib's version until "
+                  "yours passes (the hints are below the puzzle)")
+            return self.solution
+        print(f"{self.label}: solved — the rest of this notebook runs your version")
+        return answer
+
+    @property
+    def levels(self) -> int:
+        """Hint levels including the solution: ``hint(levels)`` shows the solution."""
+        return len(self.hints) + 1
+
+    def solution_source(self) -> str:
+        """The solution's source code (its function, or every function a tuple/dict of them holds)."""
+        parts = self.solution.values() if isinstance(self.solution, dict) else (
+            self.solution if isinstance(self.solution, tuple) else (self.solution,))
+        return "\n\n".join(textwrap.dedent(inspect.getsource(part)).rstrip() for part in parts)
+
+    def hint_text(self, level: int) -> str:
+        """Hint ``level`` (1-based) as markdown; the level after the last hint is the solution's code."""
+        if not 1 <= level <= self.levels:
+            raise ValueError(f"level must be 1 to {self.levels} for {self.label!r} (the last level is the solution)")
+        if level <= len(self.hints):
+            return self.hints[level - 1]
+        return "```python\n" + self.solution_source() + "\n```"
+
+    def hint(self, level: int) -> None:
+        """Print hint ``level`` (1-based); the last level prints the solution."""
+        print(self.hint_text(level))
+
+    def hint_markdown(self) -> str:
+        """Every level as collapsed HTML ``<details>`` blocks, for the notebook's hints cell."""
+        blocks = []
+        for level in range(1, self.levels + 1):
+            title = f"Hint {level}" if level <= len(self.hints) else "Solution"
+            blocks.append(f"<details><summary>{title}</summary>\n\n{self.hint_text(level)}\n\n</details>")
+        return "\n\n".join(blocks)

@@ -1,0 +1,116 @@
+"""The puzzles as a whole: every notebook 01-08 has at least one (05-07 at least two, Pallas kernels), each is
+wired the same way (stub cell, ``NAME.use(...)`` cell, a generated hints cell), its hints are current, and
+:class:`~flashlib.exercises.puzzle.Puzzle` itself falls back to the solution for a stub or a wrong answer."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import pkgutil
+import sys
+from pathlib import Path
+
+import pytest
+
+import flashlib.exercises
+from flashlib.checks import CheckFailed
+from flashlib.exercises.puzzle import Puzzle
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "notebooks"))
+import make_hint_cells  # noqa: E402
+
+MINIMUM = {"01": 1, "02": 1, "03": 2, "04": 1, "05": 2, "06": 2, "07": 2, "08": 1}
+
+
+def _notebook_puzzles() -> dict[str, list[tuple[int, str, str]]]:
+    return {path.name[:2]: make_hint_cells.hint_cells(json.loads(path.read_text()))
+            for path in make_hint_cells.NOTEBOOKS}
+
+
+def _library_puzzles() -> set[str]:
+    found = set()
+    for info in pkgutil.iter_modules(flashlib.exercises.__path__):
+        module = importlib.import_module(f"flashlib.exercises.{info.name}")
+        found |= {f"{info.name}.{name}" for name, value in vars(module).items()
+                  if isinstance(value, Puzzle) and not name.startswith("_")}
+    return found
+
+
+def test_every_notebook_has_its_puzzles():
+    found = _notebook_puzzles()
+    short = {nb: len(found.get(nb, [])) for nb, least in MINIMUM.items() if len(found.get(nb, [])) < least}
+    assert not short, f"notebooks with fewer puzzles than asked for (notebook: count): {short}"
+
+
+def test_every_library_puzzle_is_in_a_notebook_and_back():
+    in_notebooks = {f"{module}.{name}" for cells in _notebook_puzzles().values() for _, module, name in cells}
+    assert in_notebooks == _library_puzzles()
+
+
+def test_hints_cells_are_current():
+    stale = {path.name: make_hint_cells.stale_cells(path) for path in make_hint_cells.NOTEBOOKS}
+    assert not {k: v for k, v in stale.items() if v}, "run `make notebooks` (notebooks/make_hint_cells.py)"
+
+
+@pytest.mark.parametrize("path", make_hint_cells.NOTEBOOKS, ids=lambda p: p.name[:2])
+def test_each_puzzle_is_used_before_its_hints(path):
+    """Above each hints cell: a code cell that hands the learner's answer to ``NAME.use(...)`` (so the rest of
+    the notebook runs on a working version), and above that the stub the learner fills in."""
+    cells = json.loads(path.read_text())["cells"]
+    for index, _, name in make_hint_cells.hint_cells({"cells": cells}):
+        above = ["".join(c["source"]) for c in cells[max(0, index - 3):index] if c["cell_type"] == "code"]
+        assert any(f"{name}.use(" in source for source in above), f"{path.name}: no `{name}.use(...)` above its hints"
+        assert any("NotImplementedError" in source for source in above), f"{path.name}: no stub above {name}'s hints"
+
+
+# -- Puzzle itself ------------------------------------------------------------------------------------------
+
+
+def _check_double(fn):
+    if fn(3) != 6:
+        raise CheckFailed("failed: double, case 'three' — got the wrong number")
+    print("passed: double")
+
+
+def _double(x):
+    return 2 * x
+
+
+DOUBLE = Puzzle("puzzle 0: double", _check_double, _double, ("multiply", "by two"))
+
+
+def test_use_falls_back_to_the_solution_for_a_stub(capsys):
+    def stub(x):
+        raise NotImplementedError
+    assert DOUBLE.use(stub) is _double
+    assert "not attempted yet — the rest of this notebook uses flashlib's version" in capsys.readouterr().out
+
+
+def test_use_falls_back_and_explains_for_a_wrong_answer(capsys):
+    assert DOUBLE.use(lambda x: x + 2) is _double
+    out = capsys.readouterr().out
+    assert "failed: double, case 'three'" in out and "not passed yet" in out
+
+
+def test_use_returns_a_passing_answer(capsys):
+    def mine(x):
+        return x + x
+    assert DOUBLE.use(mine) is mine
+    assert "solved — the rest of this notebook runs your version" in capsys.readouterr().out
+
+
+def test_errors_in_the_learners_code_propagate():
+    with pytest.raises(TypeError):
+        DOUBLE.use(lambda x: x + "2")
+
+
+def test_hint_levels_end_with_the_solution(capsys):
+    assert DOUBLE.levels == 3
+    DOUBLE.hint(3)
+    assert "def _double(x):" in capsys.readouterr().out
+    assert DOUBLE.hint_markdown().count("<details>") == 3
+    with pytest.raises(ValueError, match="level must be 1 to 3"):
+        DOUBLE.hint(4)
+    with pytest.raises(ValueError, match="at least two graded hints"):
+        Puzzle("p", _check_double, _double, ("one",))
