@@ -19,7 +19,8 @@ Modules, one concept each, in layers (a module imports only from its layer or be
 * this package (the public surface);
 * measurement — ``estimate``, ``perf_data``;
 * top — ``tuning``, ``bench``, ``perf_plots``, ``widgets`` (``viz`` and ``widgets`` need the notebook extras,
-  matplotlib and ipywidgets, and are imported on demand: ``from flashlib import viz``).
+  matplotlib and ipywidgets, and are imported on demand: ``from flashlib import viz``), ``exercises`` (the
+  learner's puzzles and exercises, one module per notebook; nothing in the library imports them).
 """
 
 # Importing the stage modules registers them with the entry point.
