@@ -10,6 +10,7 @@ import pytest
 from flashlib import reference
 from flashlib.checks import CheckFailed, exercise
 from flashlib.exercises import online_softmax as nb03
+from flashlib.reference import SoftmaxState
 
 
 def _stub(*args, **kwargs):
@@ -104,3 +105,211 @@ def test_merge_tree_solution_passes(capsys):
 def test_merge_tree_stub_is_not_attempted(capsys):
     exercise("exercise 2", lambda: _stub, nb03.check_merge_tree)
     assert "not attempted yet" in capsys.readouterr().out
+
+
+# -- 03 puzzle 1: the online update -------------------------------------------------------------------------
+
+
+def _safe(m):
+    return jnp.where(jnp.isfinite(m), m, 0.0)
+
+
+def update_unsafe(state, s, v):  # exponentiates against m_new itself: NaN for an empty row and a masked block
+    m_new = jnp.maximum(state.m, s.max(axis=-1))
+    alpha, p = jnp.exp(state.m - m_new), jnp.exp(s - m_new[:, None])
+    return SoftmaxState(m_new, alpha * state.l + p.sum(-1), alpha[:, None] * state.acc + p @ v)
+
+
+def update_no_rescale_l(state, s, v):  # rescales acc but adds the block's sum to the old l as it was
+    m_new = jnp.maximum(state.m, s.max(axis=-1))
+    alpha, p = jnp.exp(state.m - _safe(m_new)), jnp.exp(s - _safe(m_new)[:, None])
+    return SoftmaxState(m_new, state.l + p.sum(-1), alpha[:, None] * state.acc + p @ v)
+
+
+def update_no_rescale_acc(state, s, v):  # rescales l but forgets acc
+    m_new = jnp.maximum(state.m, s.max(axis=-1))
+    alpha, p = jnp.exp(state.m - _safe(m_new)), jnp.exp(s - _safe(m_new)[:, None])
+    return SoftmaxState(m_new, alpha * state.l + p.sum(-1), state.acc + p @ v)
+
+
+def update_old_max(state, s, v):  # the block's weights against the old maximum (guarded against -inf)
+    m_new = jnp.maximum(state.m, s.max(axis=-1))
+    alpha, p = jnp.exp(state.m - _safe(m_new)), jnp.exp(s - _safe(state.m)[:, None])
+    return SoftmaxState(m_new, alpha * state.l + p.sum(-1), alpha[:, None] * state.acc + p @ v)
+
+
+def update_old_max_raw(state, s, v):  # the same with the old maximum as it is: e^(s + inf) on the first block
+    m_new = jnp.maximum(state.m, s.max(axis=-1))
+    alpha, p = jnp.exp(state.m - _safe(m_new)), jnp.exp(s - state.m[:, None])
+    return SoftmaxState(m_new, alpha * state.l + p.sum(-1), alpha[:, None] * state.acc + p @ v)
+
+
+def update_inverted_alpha(state, s, v):  # rescales by e^(m_new - m_old): inf times the empty l on the first block
+    m_new = jnp.maximum(state.m, s.max(axis=-1))
+    alpha, p = jnp.exp(m_new - state.m), jnp.exp(s - _safe(m_new)[:, None])
+    return SoftmaxState(m_new, alpha * state.l + p.sum(-1), alpha[:, None] * state.acc + p @ v)
+
+
+def update_returns_a_tuple(state, s, v):  # the right numbers, but the notebook reads state.m, state.l, state.acc
+    return tuple(nb03.online_update_solution(state, s, v))
+
+
+def update_keeps_old_m(state, s, v):  # updates l and acc right but returns the old maximum
+    new = nb03.online_update_solution(state, s, v)
+    return SoftmaxState(state.m, new.l, new.acc)
+
+
+def update_divides_early(state, s, v):  # keeps the normalised output o = acc / l instead of acc
+    new = nb03.online_update_solution(state, s, v)
+    return SoftmaxState(new.m, new.l, reference.state_output(new))
+
+
+def test_online_update_stub_is_not_attempted(capsys):
+    def online_update(state, s, v):
+        raise NotImplementedError  # your code here
+    assert nb03.ONLINE_UPDATE.use(online_update) is nb03.online_update_solution  # as the notebook calls it
+    assert "puzzle 1: the online update: not attempted yet" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("wrong, message", [
+    (update_unsafe, "case 'a row that has seen no key meets a fully masked block' — NaN in the result"),
+    (update_no_rescale_l, "case 'the block raises the maximum on every row' — l is off: the old sum is not rescaled"),
+    (update_no_rescale_acc, "raises the maximum on every row' — acc is off: the old acc is not rescaled"),
+    (update_old_max, "case 'the first block: .*' — l is off: the block's weights must be e\\^\\(s - m_new\\), "
+                     "against the new maximum, not the old one"),
+    (update_old_max_raw, "case 'the first block: .*' — inf in the result: .* exponentiate against the new maximum"),
+    (update_inverted_alpha, "case 'the first block: .*' — NaN in the result on a row that has a visible key: an "
+                            "infinite factor met a zero; every rescale factor is e\\^\\(old maximum - new maximum\\)"),
+    (update_returns_a_tuple, "case 'the first block: .*' — return SoftmaxState\\(m=..., l=..., acc=...\\)"),
+    (update_keeps_old_m, "case 'the first block: .*' — m is \\[-inf -inf -inf\\], expected .* the larger of the two"),
+    (update_divides_early, "case 'the first block: .*' — acc is already divided by l"),
+])
+def test_online_update_wrong_answers_fail_with_their_hint(wrong, message):
+    with pytest.raises(CheckFailed, match=message):
+        nb03.check_online_update(wrong)
+
+
+def test_online_update_wrong_answer_falls_back_to_the_solution(capsys):
+    assert nb03.ONLINE_UPDATE.use(update_no_rescale_acc) is nb03.online_update_solution
+    assert "puzzle 1: the online update: not passed yet" in capsys.readouterr().out
+
+
+def test_online_update_solution_passes(capsys):
+    assert nb03.ONLINE_UPDATE.use(nb03.online_update_solution) is nb03.online_update_solution
+    out = capsys.readouterr().out
+    assert out.startswith("passed: online_update") and "solved" in out
+
+
+# -- 03 puzzle 2: merging two states ------------------------------------------------------------------------
+
+
+def merge_unsafe(a, b):  # exponentiates against m itself: NaN where neither side has seen a key
+    m = jnp.maximum(a.m, b.m)
+    alpha, beta = jnp.exp(a.m - m), jnp.exp(b.m - m)
+    return SoftmaxState(m, alpha * a.l + beta * b.l, alpha[:, None] * a.acc + beta[:, None] * b.acc)
+
+
+def merge_no_rescale(a, b):  # adds sums taken against different maxima
+    return SoftmaxState(jnp.maximum(a.m, b.m), a.l + b.l, a.acc + b.acc)
+
+
+def merge_no_rescale_acc(a, b):  # rescales l, forgets acc
+    m = jnp.maximum(a.m, b.m)
+    alpha, beta = jnp.exp(a.m - _safe(m)), jnp.exp(b.m - _safe(m))
+    return SoftmaxState(m, alpha * a.l + beta * b.l, a.acc + b.acc)
+
+
+def merge_first_max(a, b):  # assumes the first side holds the larger maximum
+    beta = jnp.exp(b.m - _safe(a.m))
+    return SoftmaxState(a.m, a.l + beta * b.l, a.acc + beta[:, None] * b.acc)
+
+
+def merge_divides_early(a, b):  # returns the normalised output as acc
+    merged = nb03.merge_states_solution(a, b)
+    return SoftmaxState(merged.m, merged.l, reference.state_output(merged))
+
+
+def test_merge_states_stub_is_not_attempted(capsys):
+    def merge_states(a, b):
+        raise NotImplementedError  # your code here
+    assert nb03.MERGE_STATES.use(merge_states) is nb03.merge_states_solution
+    assert "puzzle 2: merging two states: not attempted yet" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("wrong, message", [
+    (merge_unsafe, "case 'neither side has seen a key' — NaN in the result"),
+    (merge_no_rescale, "case 'the second side has the larger maxima' — l is off: l_a \\+ l_b adds sums taken"),
+    (merge_no_rescale_acc, "case 'the second side has the larger maxima' — acc is off: acc_a \\+ acc_b adds sums"),
+    (merge_first_max, "case 'the second side has the larger maxima' — m is .* the larger of the two maxima"),
+    (merge_divides_early, "case 'the second side has the larger maxima' — acc is already divided by l"),
+])
+def test_merge_states_wrong_answers_fail_with_their_hint(wrong, message):
+    with pytest.raises(CheckFailed, match=message):
+        nb03.check_merge_states(wrong)
+
+
+def test_merge_states_solution_and_the_reference_pass(capsys):
+    assert nb03.MERGE_STATES.use(nb03.merge_states_solution) is nb03.merge_states_solution
+    nb03.check_merge_states(reference.merge_states)
+    assert capsys.readouterr().out.count("passed: merge_states") == 2
+
+
+# -- 03 exercise 3: the row, blocks from the last to the first ----------------------------------------------
+
+
+def _start(v):
+    return SoftmaxState(m=jnp.full(1, -jnp.inf), l=jnp.zeros(1), acc=jnp.zeros((1, v.shape[1])))
+
+
+def reversed_solution(s, v, block, update=nb03.online_update_solution):
+    state = _start(v)
+    for lo in reversed(range(0, len(s), block)):
+        state = update(state, s[None, lo:lo + block], v[lo:lo + block])
+    return reference.state_output(state)[0]
+
+
+def reversed_forward(s, v, block, update=nb03.online_update_solution):  # section 5's loop, unchanged
+    state = _start(v)
+    for lo in range(0, len(s), block):
+        state = update(state, s[None, lo:lo + block], v[lo:lo + block])
+    return reference.state_output(state)[0]
+
+
+def reversed_skips_the_head(s, v, block, update=nb03.online_update_solution):  # steps back from len - block
+    state = _start(v)
+    for lo in range(len(s) - block, -1, -block):
+        state = update(state, s[None, lo:lo + block], v[lo:lo + block])
+    return reference.state_output(state)[0]
+
+
+def reversed_scores_only(s, v, block, update=nb03.online_update_solution):  # flips s, forgets to flip v
+    return reversed_forward(s[::-1], v, block, update)
+
+
+def reversed_ignores_update(s, v, block, update=nb03.online_update_solution):  # right answer, no blocks seen
+    return reversed_solution(s, v, block, nb03.online_update_solution)
+
+
+def test_reversed_stub_is_not_attempted(capsys):
+    def online_attention_row_reversed(s, v, block, update=nb03.online_update_solution):
+        raise NotImplementedError  # your code here
+    exercise("exercise 3", lambda: online_attention_row_reversed, nb03.check_online_attention_row_reversed)
+    assert "exercise 3: not attempted yet" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("wrong, message", [
+    (reversed_forward, "'16 keys in blocks of 4' — the blocks were folded from the first to the last: start with "
+                       "the last block \\(keys 12-15\\)"),
+    (reversed_skips_the_head, "'16 keys in blocks of 3' — the blocks were keys 13-15, 10-12, 7-9, 4-6, 1-3, "
+                              "expected 15, 12-14, 9-11, 6-8, 3-5, ..."),
+    (reversed_scores_only, "'16 keys in blocks of 4' — the output .* is not attention over the row"),
+    (reversed_ignores_update, "update was never called"),
+])
+def test_reversed_wrong_answers_fail_with_their_hint(wrong, message):
+    with pytest.raises(CheckFailed, match=message):
+        nb03.check_online_attention_row_reversed(wrong)
+
+
+def test_reversed_solution_passes(capsys):
+    exercise("exercise 3", lambda: reversed_solution, nb03.check_online_attention_row_reversed)
+    assert capsys.readouterr().out.startswith("passed: online_attention_row_reversed")

@@ -1,0 +1,357 @@
+"""Notebook 04's puzzle and exercises: flash attention in pure JAX, judged against the float64 oracle.
+
+The puzzle is the notebook's final one-head version (padding, bottom-right causal masks, rows that see no key,
+one query block at a time); the exercises are a from-scratch loop over key blocks, the log-sum-exp the backward
+pass needs, and a prediction of how each method's scratch memory scales, checked against XLA's measurement.
+
+Every attention output is judged by :func:`flashlib.checks.check_attention` (2x the naive float32 error); when
+it fails, the output is compared with what each usual mistake computes (top-left causal mask, padded keys left
+visible, no final division, a dropped last block...) so the message names the mistake, not just the error.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import flashlib
+from flashlib import reference
+from flashlib.blockwise import blockwise_attention, pad_to_multiple
+from flashlib.checks import CheckFailed, check_attention
+from flashlib.exercises.puzzle import Puzzle
+
+__all__ = ["FLASH_ATTENTION_HEAD", "check_flash_attention_head", "check_lse", "check_one_head",
+           "check_scratch_exponents", "flash_attention_head_solution", "fold_kv_block"]
+
+
+# -- the puzzle's solution (the notebook's worked code) ---------------------------------------------------
+
+
+def fold_kv_block(m, l, acc, s, v_blk):  # noqa: E741 (the notebook's section 1, repeated for the solution)
+    m_new = jnp.maximum(m, s.max(axis=1))  # [bq]
+    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # [bq]    a row that has seen no key yet: 0, not NaN
+    alpha = jnp.exp(m - m_safe)  # [bq]    rescales what was accumulated so far (<= 1)
+    p = jnp.exp(s - m_safe[:, None])  # [bq, bk] this block's unnormalised probabilities
+    return m_new, alpha * l + p.sum(axis=1), alpha[:, None] * acc + p @ v_blk
+
+
+def flash_attention_head_solution(q, k, v, *, causal=False, block_q=128, block_k=128):
+    # Flash attention for one head: q [q_len, d], k, v [kv_len, d] -> [q_len, d]. Any lengths.
+    (q_len, d), kv_len = q.shape, k.shape[0]
+    block_q, block_k = min(block_q, q_len), min(block_k, kv_len)  # a short sequence is one block
+    qb = pad_to_multiple(q, 0, block_q).reshape(-1, block_q, d)  # [nq, bq, d], zero-padded
+    kb = pad_to_multiple(k, 0, block_k).reshape(-1, block_k, d)  # [nk, bk, d]
+    vb = pad_to_multiple(v, 0, block_k).reshape(-1, block_k, d)  # [nk, bk, d]
+
+    def one_q_block(i, q_blk):
+        q_pos = i * block_q + jnp.arange(block_q)[:, None]  # [bq, 1] absolute query positions
+
+        def kv_step(state, inputs):
+            j, k_blk, v_blk = inputs
+            kv_pos = j * block_k + jnp.arange(block_k)[None, :]  # [1, bk] absolute key positions
+            visible = kv_pos < kv_len  # padded keys are never visible
+            if causal:
+                visible = visible & reference.causal_visible(q_pos, kv_pos, q_len=q_len, kv_len=kv_len)
+            s = jnp.where(visible, q_blk @ k_blk.T * reference.default_scale(d), -jnp.inf)  # [bq, bk]
+            return fold_kv_block(*state, s, v_blk), None
+
+        init = (jnp.full(block_q, -jnp.inf), jnp.zeros(block_q), jnp.zeros((block_q, d)))
+        (m, l, acc), _ = jax.lax.scan(kv_step, init, (jnp.arange(len(kb)), kb, vb))
+        return acc / jnp.where(l == 0.0, 1.0, l)[:, None]  # a row that saw no key gives 0, not NaN
+
+    out = jax.lax.map(lambda args: one_q_block(*args), (jnp.arange(len(qb)), qb))  # [nq, bq, d]
+    return out.reshape(-1, d)[:q_len]  # drop the padded query rows
+
+
+# -- judging an attention output: the oracle, then what each usual mistake would have computed ------------------
+
+
+def _attend64(q, k, v, visible: np.ndarray, *, divide: bool = True) -> np.ndarray:
+    """Float64 attention of one head under a ``[q_len, kv_len]`` visibility mask (rows that see nothing: 0)."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    s = np.where(visible, q @ k.T * reference.default_scale(q.shape[1]), -np.inf)
+    m = s.max(axis=1, initial=-np.inf, keepdims=True)
+    p = np.exp(s - np.where(np.isfinite(m), m, 0.0))
+    l = p.sum(axis=1, keepdims=True)  # noqa: E741
+    return p @ v / np.where(l == 0.0, 1.0, l) if divide else p @ v
+
+
+def _visible(q_len: int, kv_len: int, causal: bool, *, top_left: bool = False) -> np.ndarray:
+    rows, cols = np.arange(q_len)[:, None], np.arange(kv_len)[None, :]
+    if not causal:
+        return np.ones((q_len, kv_len), bool)
+    return cols <= rows if top_left else reference.causal_visible(rows, cols, q_len=q_len, kv_len=kv_len)
+
+
+def _judge(out, q, k, v, *, causal: bool, where: str, suspects: Sequence[tuple[np.ndarray, str]],
+           nan_hint: str, otherwise: str) -> None:
+    """Raise :class:`CheckFailed` naming the mistake when ``out`` (one head) is not attention of ``q, k, v``."""
+    got = np.asarray(out)
+    if got.shape != q.shape:
+        rows = " (the padded length: drop the padded query rows, out[:q_len])" if got.shape[:1] != q.shape[:1] else ""
+        raise CheckFailed(f"failed: {where} — output shape {got.shape}, expected q's shape {q.shape}{rows}")
+    if got.dtype != q.dtype:
+        raise CheckFailed(f"failed: {where} — output dtype {got.dtype}, expected q's dtype {q.dtype}: the contract "
+                          "is q's dtype, so accumulate in it (np.zeros and np.full default to float64; pass "
+                          "dtype=q.dtype, or use jnp)")
+    if not np.isfinite(got.astype(np.float64)).all():
+        raise CheckFailed(f"failed: {where} — NaN or inf in the output: {nan_hint}")
+    try:
+        check_attention(got[None, None], q[None, None], k[None, None], v[None, None], causal=causal, name=where,
+                        quiet=True)
+    except CheckFailed as failure:
+        for candidate, mistake in suspects:
+            if np.allclose(got, candidate, rtol=1e-3, atol=1e-4):
+                raise CheckFailed(f"failed: {where} — {mistake}") from None
+        raise CheckFailed(f"{failure}: {otherwise}") from None
+
+
+def _qkv(seed: int, q_len: int, kv_len: int, d: int = 32, spread: float = 2.0):
+    """Random one-head inputs; ``spread`` widens the scores so each block raises the running maximum often."""
+    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+    return (spread * jax.random.normal(kq, (q_len, d)), jax.random.normal(kk, (kv_len, d)),
+            jax.random.normal(kv, (kv_len, d)))
+
+
+_RESCALE = ("check the online update: at every key block, multiply l and acc by alpha = exp(m_old - m_new) "
+            "before adding the block's p, and divide acc by l once after the last block")
+
+
+# -- the puzzle --------------------------------------------------------------------------------------------
+
+
+_HEAD_CASES = [  # (case in words, q_len, kv_len, causal, block_q, block_k)
+    ("lengths that divide the blocks, no mask", 128, 128, False, 64, 32),
+    ("causal, q_len = kv_len", 128, 128, True, 64, 32),
+    ("kv_len = 75 does not divide block_k = 32 (padded keys), no mask", 50, 75, False, 32, 32),
+    ("causal with more keys than queries (q_len 50, kv_len 75: query i sees keys j <= i + 25)", 50, 75, True, 32, 32),
+    ("causal with more queries than keys (q_len 75, kv_len 40: the first 35 queries see no key)", 75, 40, True, 32, 16),
+    ("sequences shorter than one block (q_len 20, kv_len 30, blocks of 128)", 20, 30, False, 128, 128),
+]
+
+
+def _head_suspects(q, k, v, causal: bool, block_k: int) -> list[tuple[np.ndarray, str]]:
+    q_len, kv_len = q.shape[0], k.shape[0]
+    suspects = [(_attend64(q, k, v, _visible(q_len, kv_len, causal), divide=False),
+                 "the output is not normalised: divide acc by l once, after the last key block")]
+    if causal and q_len != kv_len:
+        suspects.append((_attend64(q, k, v, _visible(q_len, kv_len, True, top_left=True)),
+                         "the causal mask is top-left aligned (query i sees keys j <= i); flashlib's is bottom-right: "
+                         "query i sees keys j <= i + kv_len - q_len (reference.causal_visible on absolute positions)"))
+    for bk in sorted({block_k, min(block_k, kv_len)}):
+        padded = -kv_len % bk
+        if padded and not causal:
+            kp, vp = (np.pad(np.asarray(x, np.float64), ((0, padded), (0, 0))) for x in (k, v))
+            suspects.append((_attend64(q, kp, vp, _visible(q_len, kv_len + padded, False)),
+                             f"the {padded} padded keys are visible: the zeros appended to k score 0 and add "
+                             "e^(0 - m) to l; mask the key positions >= kv_len (kv_pos < kv_len)"))
+    return suspects
+
+
+def check_flash_attention_head(head: Callable[..., Any]) -> None:
+    """``head(q, k, v, *, causal, block_q, block_k)`` for one head, under ``jax.jit``: the float64 oracle on
+    every case of ``_HEAD_CASES``. First (it costs no compile) its traced program must not grow with N; last,
+    its scratch memory must not either."""
+    _check_program_size(head)
+    for seed, (case, q_len, kv_len, causal, block_q, block_k) in enumerate(_HEAD_CASES):
+        q, k, v = _qkv(seed, q_len, kv_len)
+        out = jax.jit(functools.partial(head, causal=causal, block_q=block_q, block_k=block_k))(q, k, v)
+        empty = "the first q_len - kv_len queries see no key: their m stays -inf and l 0, so exponentiate against " \
+                "m_safe (0 where m is -inf) and divide by 1 where l == 0 (their output is 0)"
+        _judge(out, q, k, v, causal=causal, where=f"flash_attention_head, case '{case}'",
+               suspects=_head_suspects(q, k, v, causal, block_k), otherwise=_RESCALE,
+               nan_hint=empty if causal and q_len > kv_len else "a tile whose keys are all masked has m = -inf "
+               "for a row that has seen no key yet: exponentiate against m_safe, not m")
+    _check_scratch(head)
+    print(f"passed: flash_attention_head matches the float64 oracle in all {len(_HEAD_CASES)} cases (padding, causal "
+          "both ways, rows that see no key), under jax.jit; its program and its scratch do not grow with N")
+
+
+def _check_program_size(head: Callable[..., Any]) -> None:
+    def size(n: int) -> int:
+        x = jnp.zeros((n, 32))
+        return len(jax.make_jaxpr(functools.partial(head, block_q=32, block_k=32))(x, x, x).eqns)
+
+    small, large = size(128), size(512)
+    if large > 1.5 * small:
+        raise CheckFailed(f"failed: flash_attention_head, traced program — {small} operations at N = 128, {large} at "
+                          "N = 512: a Python loop over blocks is unrolled; loop over the key blocks with jax.lax.scan "
+                          "and over the query blocks with jax.lax.map (section 3)")
+
+
+def scratch_bytes(fn: Callable[..., Any], *shape: int) -> int:
+    """XLA's planned scratch memory (``temp_size_in_bytes``) of ``fn(q, k, v)`` for float32 inputs of ``shape``."""
+    spec = jax.ShapeDtypeStruct(shape, jnp.float32)
+    return jax.jit(fn).lower(spec, spec, spec).compile().memory_analysis().temp_size_in_bytes
+
+
+def _check_scratch(head: Callable[..., Any]) -> None:
+    fn = functools.partial(head, block_q=128, block_k=128)
+    small, large = scratch_bytes(fn, 1024, 64), scratch_bytes(fn, 4096, 64)
+    if large > 2 * small:
+        raise CheckFailed(f"failed: flash_attention_head, scratch memory — {small} bytes at N = 1024, {large} at "
+                          "N = 4096: visit the query blocks one after another with jax.lax.map (jax.vmap over them "
+                          "holds every query block's [block_q, block_k] tile at once)")
+
+
+FLASH_ATTENTION_HEAD = Puzzle(
+    label="puzzle 1: flash_attention_head, any lengths, causal or not",
+    checker=check_flash_attention_head,
+    solution=flash_attention_head_solution,
+    hints=(
+        "Start from `flash_attention_head_v1` (section 3). Three additions: pad q, k, v to whole blocks "
+        "(`pad_to_multiple`) and cut the output back to `q_len` rows; give each block its index (scan and map "
+        "over `(jnp.arange(n), blocks)`) so you know absolute positions; and before folding a tile, set the "
+        "scores it may not see to `-inf` with `jnp.where`. Clamp the blocks to the lengths first "
+        "(`min(block_q, q_len)`), so a short sequence is one block.",
+        "Inside `kv_step`: `q_pos = i * block_q + jnp.arange(block_q)[:, None]` and "
+        "`kv_pos = j * block_k + jnp.arange(block_k)[None, :]`; `visible = kv_pos < kv_len`, and when causal "
+        "also `& reference.causal_visible(q_pos, kv_pos, q_len=q_len, kv_len=kv_len)`; "
+        "`s = jnp.where(visible, q_blk @ k_blk.T * scale, -jnp.inf)`. At the end a row may have `l == 0` (it saw "
+        "no key): divide by `jnp.where(l == 0.0, 1.0, l)` so it comes out 0.",
+    ),
+)
+
+
+# -- exercise 1: one head from scratch ---------------------------------------------------------------------
+
+
+def _tail_dropped(q, k, v, block_k: int) -> np.ndarray:
+    whole = k.shape[0] // block_k * block_k
+    visible = np.arange(k.shape[0])[None, :] < whole
+    return _attend64(q, k, v, np.broadcast_to(visible, (q.shape[0], k.shape[0])))
+
+
+def _shapes(jaxpr) -> set[tuple[int, ...]]:
+    """The shapes of every value a traced program computes, inside loops too."""
+    found = set()
+    for eqn in jaxpr.eqns:
+        found |= {tuple(getattr(var.aval, "shape", ())) for var in eqn.outvars}
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    found |= _shapes(inner)
+    return found
+
+
+def _check_blockwise(fn: Callable[..., Any], q, k, v, block_k: int, where: str) -> None:
+    """No ``[q_len, kv_len]`` matrix of scores when ``block_k < kv_len`` (skipped for code JAX cannot trace)."""
+    try:
+        jaxpr = jax.make_jaxpr(lambda q, k, v: fn(q, k, v, block_k))(q, k, v).jaxpr
+    except Exception:  # noqa: BLE001 (NumPy code, say: its output is still judged against the oracle)
+        return
+    whole = (q.shape[0], k.shape[0])
+    if whole in _shapes(jaxpr):
+        raise CheckFailed(f"failed: {where} — the scores of all {k.shape[0]} keys exist at once (a {list(whole)} "
+                          f"matrix): visit the keys block by block, {block_k} at a time, folding each block into "
+                          "the running (m, l, acc) with the online softmax")
+
+
+def check_one_head(fn: Callable[..., Any], blocks_k: Sequence[int] = (25, 32, 100)) -> None:
+    """``fn(q, k, v, block_k) -> out`` for one head, no mask, ``out`` in q's dtype: the float64 oracle for a
+    ``block_k`` that divides ``kv_len = 75``, one that does not, and one larger than ``kv_len``; and no
+    ``[q_len, kv_len]`` score matrix when ``block_k < kv_len``."""
+    q, k, v = _qkv(4, 50, 75)
+    _check_blockwise(fn, q, k, v, blocks_k[0], f"exercise 1, case 'block_k = {blocks_k[0]}'")
+    for block_k in blocks_k:
+        how = ("divides" if 75 % block_k == 0 else "is larger than") if block_k >= 75 or 75 % block_k == 0 \
+            else "does not divide"
+        where = f"exercise 1, case 'block_k = {block_k} {how} kv_len = 75'"
+        _judge(fn(q, k, v, block_k), q, k, v, causal=False, where=where, otherwise=_RESCALE,
+               suspects=[(_attend64(q, k, v, _visible(50, 75, False), divide=False),
+                          "the output is not normalised: divide acc by l once, after the last key block"),
+                         (_tail_dropped(q, k, v, block_k), "the keys past the last whole block are missing: loop "
+                          "over range(0, kv_len, block_k); the last block is shorter (k[lo:lo + block_k] slices it)")],
+               nan_hint="if no key block was visited, l is still 0: with block_k > kv_len (or a partial last "
+               "block) the loop must still visit the shorter block, range(0, kv_len, block_k)")
+    print(f"passed: exercise 1, one head matches the float64 oracle for block_k = {', '.join(map(str, blocks_k))} "
+          "(divides kv_len = 75, does not, is larger)")
+
+
+# -- exercise 2: the log-sum-exp -----------------------------------------------------------------------------
+
+
+def check_lse(fn: Callable[..., Any], blocks_k: Sequence[int] = (32, 100)) -> None:
+    """``fn(q, k, v, block_k) -> (out, lse)``: ``out`` as in exercise 1, ``lse [q_len]`` within 2e-5 of
+    :func:`flashlib.reference.logsumexp_oracle`."""
+    q, k, v = _qkv(5, 50, 75)
+    want = np.asarray(reference.logsumexp_oracle(q[None, None], k[None, None]))[0, 0]
+    s = np.asarray(q, np.float64) @ np.asarray(k, np.float64).T * reference.default_scale(q.shape[1])
+    m, log_l = s.max(axis=1), np.log(np.exp(s - s.max(axis=1, keepdims=True)).sum(axis=1))
+    _check_blockwise(lambda *args: fn(*args)[0], q, k, v, blocks_k[0], f"exercise 2, case 'block_k = {blocks_k[0]}'")
+    for block_k in blocks_k:
+        where = f"exercise 2, case 'block_k = {block_k}'"
+        answer = fn(q, k, v, block_k)
+        if not isinstance(answer, tuple) or len(answer) != 2:
+            raise CheckFailed(f"failed: {where} — return a pair (out, lse), got {type(answer).__name__}")
+        out, lse = answer
+        _judge(out, q, k, v, causal=False, where=where, suspects=[], otherwise=_RESCALE, nan_hint=_RESCALE)
+        lse = np.asarray(lse, np.float64)
+        if lse.shape != want.shape:
+            raise CheckFailed(f"failed: {where} — lse has shape {lse.shape}, expected ({q.shape[0]},): one number per "
+                              "query row")
+        if not np.allclose(lse, want, rtol=0.0, atol=2e-5):
+            for wrong, mistake in ((m, "lse equals the row maximum m: add log(l), lse = m + log(l)"),
+                                   (log_l, "lse equals log(l) alone: l is the sum relative to m, so lse = m + log(l)")):
+                if np.allclose(lse, wrong, atol=1e-4):
+                    raise CheckFailed(f"failed: {where} — {mistake}")
+            worst = int(np.argmax(np.abs(lse - want)))
+            raise CheckFailed(f"failed: {where} — lse[{worst}] = {lse[worst]:.6g}, expected {want[worst]:.6g}: use the "
+                              "final m and l, lse = m + log(l)")
+    print(f"passed: exercise 2, out and lse match the float64 oracle for block_k = {', '.join(map(str, blocks_k))}")
+
+
+# -- exercise 3: predict how scratch memory scales -----------------------------------------------------------
+
+
+_WHAT_EACH_HOLDS = {  # method: (why its exponent in N, why its exponent in block_k)
+    "naive": ("it holds the whole N x N score matrix", "it has no blocks: block_k does not enter it"),
+    "library blockwise": ("it holds one [N, block_k] slab of scores (all query blocks at once)",
+                          "its slab of scores is [N, block_k]"),
+    "ours": ("it holds one [block_q, block_k] tile at a time: N only sets how many steps there are",
+             "its tile of scores is [block_q, block_k]"),
+}
+
+
+def _methods() -> dict[str, Callable[[int], Callable[..., Any]]]:
+    """Each method as ``block_k -> fn(q, k, v)`` on ``[1, 1, N, 64]`` inputs (naive ignores ``block_k``)."""
+    def ours(block_k: int) -> Callable[..., Any]:
+        head = functools.partial(flash_attention_head_solution, block_q=128, block_k=block_k)
+        return lambda q, k, v: jax.vmap(jax.vmap(head))(q, k, v)
+
+    return {"naive": lambda block_k: functools.partial(flashlib.attention, impl="reference"),
+            "library blockwise": lambda block_k: functools.partial(blockwise_attention, block_k=block_k),
+            "ours": ours}
+
+
+@functools.lru_cache(maxsize=4)  # a compile-time measurement: the same for the same JAX, so once per process
+def measured_exponents(n: int = 2048, block_k: int = 256) -> dict[str, tuple[float, float]]:
+    """``{method: (a, b)}`` with scratch ∝ N^a · block_k^b, measured by doubling N and block_k from ``(n, block_k)``."""
+    found = {}
+    for method, make in _methods().items():
+        base = scratch_bytes(make(block_k), 1, 1, n, 64)
+        twice_n, twice_k = scratch_bytes(make(block_k), 1, 1, 2 * n, 64), scratch_bytes(make(2 * block_k), 1, 1, n, 64)
+        found[method] = (math.log2(twice_n / base), math.log2(twice_k / base))
+    return found
+
+
+def check_scratch_exponents(predicted: dict[str, Any]) -> None:
+    """``{method: (a, b)}``, integers, for naive, library blockwise and ours (block_q = 128): scratch ∝ N^a · block_k^b,
+    compared with XLA's measured scratch when N and block_k double (rounded to whole exponents)."""
+    if not isinstance(predicted, dict) or any(predicted.get(method) is None for method in _WHAT_EACH_HOLDS):
+        raise NotImplementedError
+    measured = measured_exponents()
+    for method, (why_n, why_k) in _WHAT_EACH_HOLDS.items():
+        a, b = predicted[method]
+        for axis, guess, got, why in (("N", a, measured[method][0], why_n), ("block_k", b, measured[method][1], why_k)):
+            if guess != round(got):
+                raise CheckFailed(f"failed: exercise 3, {method} — you predicted scratch ∝ {axis}^{guess}, XLA "
+                                  f"measures {axis}^{got:.2f} (x{2 ** got:.2f} when {axis} doubles): {why}")
+    print("passed: exercise 3, your exponents match XLA's measured scratch for naive, library blockwise and ours")

@@ -1,0 +1,400 @@
+"""Notebook 05's puzzles and exercises: a kernel whose index maps keep a block in place (a bias row added to
+``x``), the tiled matmul with its f32 accumulator in VMEM scratch, then a fused bias, counting copies, and a
+kernel to debug.
+
+Kernels run in TPU interpret mode (``pltpu.InterpretParams()``): an out-of-bounds block index is an error there
+(plain interpret mode clamps it, and a wrong map passes), and fresh scratch is NaN. What a run cannot show the
+checkers read from the ``pallas_call`` itself (its jaxpr): the grid, each index map, and the dimension semantics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+import flashlib
+from flashlib.checks import CheckFailed
+from flashlib.exercises.puzzle import Puzzle
+
+__all__ = ["ADD_BIAS", "TILED_MATMUL", "check_add_bias", "check_count_copies", "check_matmul_bias", "check_row_sum",
+           "check_tiled_matmul"]
+Point = tuple[int, ...]
+
+# -- what a pallas_call says about itself ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One ``pallas_call`` as traced: its grid, the index map of each input then output, its semantics."""
+
+    grid: Point
+    maps: tuple[Callable[..., Point], ...]
+    semantics: tuple[str, ...]
+
+    def ignored_axes(self, which: int) -> set[int]:
+        """The grid axes (longer than 1) that map ``which`` ignores: for an output, the reduction axes."""
+        index, points = self.maps[which], list(np.ndindex(*self.grid))
+        return {axis for axis in range(len(self.grid)) if self.grid[axis] > 1 and all(
+            index(*p) == index(*p[:axis], 0, *p[axis + 1:]) for p in points)}
+
+    def copies(self, which: int) -> tuple[int, int]:
+        """``(copies, different blocks)`` of map ``which`` in row-major order, as one TensorCore walks the grid."""
+        blocks = [self.maps[which](*p) for p in np.ndindex(*self.grid)]
+        return _changes(blocks), len(set(blocks))
+
+
+def _changes(blocks: Sequence[Point]) -> int:
+    """Copies of a block sequence: one at the first step, then one each time the index changes."""
+    return 1 + sum(a != b for a, b in zip(blocks, blocks[1:], strict=False))
+
+
+def _eqns(jaxpr) -> Iterator[Any]:
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns") and eqn.primitive.name != "pallas_call":
+                    yield from _eqns(inner)
+
+
+def _inspect(name: str, fn: Callable[..., Any], inputs: int, *args, **kwargs) -> _Call:
+    """The single ``pallas_call`` that ``fn(*args, **kwargs)`` makes, with ``inputs`` inputs."""
+    calls = [e for e in _eqns(jax.make_jaxpr(lambda *a: fn(*a, **kwargs))(*args).jaxpr)
+             if e.primitive.name == "pallas_call"]
+    grid_mapping = calls[0].params["grid_mapping"] if len(calls) == 1 else None
+    if grid_mapping is None or grid_mapping.num_inputs != inputs:
+        found = f"{len(calls)} pallas_calls" if grid_mapping is None else f"{grid_mapping.num_inputs} kernel inputs"
+        raise CheckFailed(f"failed: {name} — {found}, expected one pallas_call taking the {inputs} arrays given: do "
+                          "all the work inside the kernel, not with jnp outside it")
+    params = calls[0].params.get("compiler_params")
+    if isinstance(params, dict) or hasattr(params, "values"):  # jax 0.7.2: {"mosaic_tpu": CompilerParams(...)}
+        params = next(iter(params.values()), None)
+    if isinstance(kwargs.get("interpret"), pltpu.InterpretParams) and not isinstance(
+            calls[0].params.get("interpret"), pltpu.InterpretParams):
+        raise CheckFailed(f"failed: {name} — it ignores its `interpret` argument: pass interpret=interpret to "
+                          "pl.pallas_call (the checker asks for TPU interpret mode, which plain interpret mode is not)")
+    grid = tuple(int(n) for n in grid_mapping.grid)
+    semantics = getattr(params, "dimension_semantics", None) or ("arbitrary",) * len(grid)
+    maps = tuple(lambda *p, c=m.index_map_jaxpr: tuple(int(v) for v in jax.core.eval_jaxpr(c.jaxpr, c.consts, *p))
+                 for m in grid_mapping.block_mappings)
+    return _Call(grid, maps,
+                 tuple("parallel" if "parallel" in str(s).lower() else "arbitrary" for s in semantics))
+
+
+_OUT_OF_BOUNDS = re.compile(r'Out-of-bounds block index (\([^)]*\)) for (\w+) "([^"]+)" in iteration (\([^)]*\))'
+                            r'.*?has shape (\([^)]*\))')
+_OUT_OF_BOUNDS_ACCESS = re.compile(r"Out-of-bounds (read|write) of [^:]*: \w+ (\[.*?\]) but \w+ has shape (\([^)]*\))")
+
+
+@contextlib.contextmanager
+def _tpu_interpret(name: str, case: str, hint: str) -> Iterator[None]:
+    """Turn TPU interpret mode's out-of-bounds error into a CheckFailed (its logged traceback is muted). After any
+    error the interpreter's simulated memory is reset: jax 0.7.2 keeps it, and the next kernel would fail."""
+    logger = logging.getLogger("jax._src.callback")
+    was, logger.disabled = logger.disabled, True
+    try:
+        yield
+    except Exception as error:  # XlaRuntimeError on jax 0.7.2, JaxRuntimeError later
+        pltpu.reset_tpu_interpret_mode_state()
+        found, access = _OUT_OF_BOUNDS.search(str(error)), _OUT_OF_BOUNDS_ACCESS.search(str(error))
+        if found is None and access is None:
+            raise
+        what = (f"at grid step {found[4]} the index map of {found[2]} {found[3]} returned block {found[1]}, outside "
+                f"its array {found[5]}" if found else
+                f"a block {access[1]} of {access[2]} outside its array {access[3]}")
+        raise CheckFailed(f"failed: {name}, case '{case}' — {what} (TPU interpret mode refuses out-of-bounds blocks; "
+                          f"plain interpret mode would clamp them): {hint}") from None
+    finally:
+        logger.disabled = was
+
+
+def _values(name: str, case: str, got, want, hint: str, atol: float = 1e-3) -> None:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    if got.shape != want.shape:
+        raise CheckFailed(f"failed: {name}, case '{case}' — output shape {got.shape}, expected {want.shape}")
+    bad = ~(np.abs(got - want) <= atol)
+    if bad.any():
+        where = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise CheckFailed(f"failed: {name}, case '{case}' — {int(bad.sum())} of {bad.size} values off, first at "
+                          f"{where}: got {got[where]:.6g}, expected {want[where]:.6g}: {hint}")
+
+
+def _ints(rng: np.random.Generator, shape: tuple[int, ...], dtype=jnp.bfloat16) -> jax.Array:
+    """Small integers: every product and sum is exact, so a wrong sum is told apart from rounding."""
+    return jnp.asarray(rng.integers(-3, 4, size=shape), dtype)
+
+
+# -- puzzle 1: a bias row that stays put ---------------------------------------------------------------------
+
+
+def add_bias_solution(x, b, *, interpret=None):
+    def kernel(x_ref, b_ref, o_ref):  # x_ref, o_ref: [8, 128]; b_ref: [1, 128]
+        o_ref[...] = x_ref[...] + b_ref[...]  # broadcasts over the 8 rows
+
+    if interpret is None:  # compiled on a TPU, interpreted elsewhere (the notebook's INTERPRET)
+        interpret = flashlib.env.interpret_default()
+    tile = pl.BlockSpec((8, 128), lambda j, i: (i, j))  # grid step (j, i) -> row block i, column block j
+    bias = pl.BlockSpec((1, 128), lambda j, i: (0, j))  # the same block for every inner step i
+    return pl.pallas_call(kernel, grid=(x.shape[1] // 128, x.shape[0] // 8), in_specs=[tile, bias],
+                          out_specs=tile, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=interpret)(x, b)
+
+
+def check_add_bias(add_bias: Callable[..., Any]) -> None:
+    """``add_bias(x, b, interpret=...)`` in TPU interpret mode on three shapes, then how often b's block is copied."""
+    x, b = jnp.zeros((16, 384), jnp.float32), jnp.zeros((1, 384), jnp.float32)  # 2 x 3 blocks, as the first case
+    call = _inspect("add_bias", add_bias, 2, x, b, interpret=pltpu.InterpretParams())
+    rng = np.random.default_rng(5)
+    maps = ("each index map gets the grid indices in the grid's order, (j, i), and returns one block index per "
+            "array dimension, (row block, column block); b has a single row of blocks")
+    for case, (m, n) in [("x [16, 384]: 2 row blocks, 3 column blocks", (16, 384)),
+                         ("x [32, 512]: 4 x 4 blocks", (32, 512)), ("x [8, 256]: one row block", (8, 256))]:
+        x, b = jnp.asarray(rng.normal(size=(m, n)), jnp.float32), jnp.asarray(rng.normal(size=(1, n)), jnp.float32)
+        with _tpu_interpret("add_bias", case, maps):
+            got = add_bias(x, b, interpret=pltpu.InterpretParams())
+        _values("add_bias", case, got, np.asarray(x) + np.asarray(b), "that block got another block's x or "
+                "b: x's and the output's maps name the same block (i, j), b's map names column block j", atol=1e-6)
+    copies, blocks = call.copies(1)
+    if copies != blocks:
+        raise CheckFailed(f"failed: add_bias — b's block is copied {copies} times for its {blocks} different "
+                          "blocks (a copy each time its index changes from the previous step): put the column axis "
+                          "outside, grid (N // 128, M // 8), so that b's index stays the same for the inner steps")
+    print("passed: add_bias in TPU interpret mode (3 shapes), each block of b copied once")
+
+
+ADD_BIAS = Puzzle("puzzle 1: add a bias row", check_add_bias, add_bias_solution, (
+    "Start from `copy` in section 2: the same `pallas_call`, with a second input. The grid is `(N // 128, M // 8)`, "
+    "column blocks outside, so every index map is called as `index_map(j, i)` and returns a block index in the "
+    "order of the array's dimensions, `(row block, column block)`.",
+    "`x` and the output: `pl.BlockSpec((8, 128), lambda j, i: (i, j))`. `b`: `pl.BlockSpec((1, 128), lambda j, i: "
+    "(0, j))`, row block 0 (its only one) whatever `i` is, so it stays put while `i` runs. The kernel is one line, "
+    "`o_ref[...] = x_ref[...] + b_ref[...]`: the `[1, 128]` row broadcasts over the 8 rows."))
+
+
+# -- puzzle 2: the tiled matmul, accumulator in scratch ----------------------------------------------------------
+
+
+def matmul_kernel_solution(x_ref, y_ref, o_ref, acc_ref):  # x [bm, bk], y [bk, bn], o [bm, bn]; acc [bm, bn] f32
+    k = pl.program_id(2)
+
+    @pl.when(k == 0)
+    def init():
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    acc_ref[...] += jnp.dot(x_ref[...], y_ref[...], preferred_element_type=jnp.float32)  # on the MXU
+
+    @pl.when(k == pl.num_programs(2) - 1)
+    def finalize():
+        o_ref[...] = acc_ref[...].astype(o_ref.dtype)
+
+
+def matmul_solution(x, y, *, kernel=matmul_kernel_solution, block=128, semantics=("parallel", "parallel", "arbitrary"),
+                    interpret=None):
+    if interpret is None:  # compiled on a TPU, interpreted elsewhere (the notebook's INTERPRET)
+        interpret = flashlib.env.interpret_default()
+    (m, kk), n = x.shape, y.shape[1]
+    return pl.pallas_call(
+        kernel,
+        grid=(m // block, n // block, kk // block),
+        in_specs=[pl.BlockSpec((block, block), lambda i, j, k: (i, k)),
+                  pl.BlockSpec((block, block), lambda i, j, k: (k, j))],
+        out_specs=pl.BlockSpec((block, block), lambda i, j, k: (i, j)),  # ignores k: stays in VMEM
+        out_shape=jax.ShapeDtypeStruct((m, n), jnp.float32),
+        scratch_shapes=[pltpu.VMEM((block, block), jnp.float32)],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=semantics),
+        interpret=interpret,
+    )(x, y)
+
+
+def _spied_matmul(kernel, x, y, block: int = 128):
+    """``kernel`` on the right grid, and the most steps before the last k that changed an ``o_ref`` (bitwise)."""
+
+    def spy(x_ref, y_ref, o_ref, early_ref, acc_ref):  # outputs come before scratch
+        k = pl.program_id(2)
+
+        @pl.when(k == 0)
+        def _():
+            early_ref[...] = jnp.zeros(early_ref.shape, jnp.int32)
+
+        before = jax.lax.bitcast_convert_type(o_ref[...], jnp.int32)
+        kernel(x_ref, y_ref, o_ref, acc_ref)
+        stored = jnp.any(jax.lax.bitcast_convert_type(o_ref[...], jnp.int32) != before)
+        early_ref[...] += jnp.where(stored & (k < pl.num_programs(2) - 1), 1, 0)
+
+    (m, kk), n = x.shape, y.shape[1]
+    grid, tile = (m // block, n // block, kk // block), (block, block)
+    out, early = pl.pallas_call(
+        spy, grid=grid, in_specs=[pl.BlockSpec(tile, lambda i, j, k: (i, k)),
+                                  pl.BlockSpec(tile, lambda i, j, k: (k, j))],
+        out_specs=[pl.BlockSpec(tile, lambda i, j, k: (i, j)), pl.BlockSpec((8, 128), lambda i, j, k: (i, j))],
+        out_shape=[jax.ShapeDtypeStruct((m, n), jnp.float32),
+                   jax.ShapeDtypeStruct((8 * grid[0], 128 * grid[1]), jnp.int32)],
+        scratch_shapes=[pltpu.VMEM(tile, jnp.float32)], interpret=pltpu.InterpretParams(),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")))(x, y)
+    return out, int(np.asarray(early).max())
+
+
+def _check_kernel(kernel) -> None:
+    rng = np.random.default_rng(6)
+    for case, (m, kk, n) in [("3 k steps: X [128, 384] @ Y [384, 128]", (128, 384, 128)),
+                             ("1 k step, init and finalize on the same step: X [128, 128] @ Y [128, 256]",
+                              (128, 128, 256))]:
+        x, y = _ints(rng, (m, kk)), _ints(rng, (kk, n))
+        with _tpu_interpret("matmul_kernel", case, "the kernel reads and writes whole blocks: x_ref[...], o_ref[...]"):
+            out, early = _spied_matmul(kernel, x, y)
+        got, name = np.asarray(out, np.float64), "matmul_kernel"
+        x64, y64 = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        terms = [x64[:, s:s + 128] @ y64[s:s + 128] for s in range(0, kk, 128)]
+        if np.isnan(got).any():
+            raise CheckFailed(f"failed: {name}, case '{case}' — NaN in the output: TPU interpret mode fills fresh "
+                              "scratch with NaN (a TPU leaves garbage there): zero acc_ref under pl.when(k == 0) "
+                              "before the first +=")
+        for wrong, hint in [(terms[-1], "only the last k step's product reached the output: add into acc_ref "
+                             "(+=) on every step, do not overwrite it"),
+                            (sum(terms[:-1]), "the last k step's product is missing: accumulate before finalize "
+                             "writes the output"),
+                            (sum(terms[1:]), "the first k step's product is lost: init (zeroing) must come before "
+                             "the first accumulate")]:
+            if len(terms) > 1 and np.array_equal(got, wrong):
+                raise CheckFailed(f"failed: {name}, case '{case}' — {hint}")
+        _values(name, case, got, sum(terms), "acc_ref[...] += jnp.dot(x_ref[...], y_ref[...], "
+                "preferred_element_type=jnp.float32) on every k step, o_ref written from acc_ref at the last")
+        if early:
+            raise CheckFailed(f"failed: {name}, case '{case}' — o_ref is stored into on {early} k step(s) before the "
+                              "last: the right numbers, but wasted stores; accumulate in acc_ref and write o_ref once, "
+                              "under pl.when(k == pl.num_programs(2) - 1)")
+    print("passed: matmul_kernel in TPU interpret mode (3 k steps and 1), scratch initialised, output written once")
+
+
+def _check_wrapper(matmul) -> None:
+    def marker(x_ref, y_ref, o_ref, acc_ref):
+        o_ref[...] = jnp.full(o_ref.shape, 7.0, o_ref.dtype)
+
+    ones = jnp.ones((128, 128), jnp.bfloat16)
+    if not np.all(np.asarray(matmul(ones, ones, kernel=marker, interpret=True)) == 7.0):
+        raise CheckFailed("failed: matmul — it does not run the kernel it is given: pass its `kernel` argument "
+                          "to pl.pallas_call (later cells swap in a broken kernel)")
+    rng, name = np.random.default_rng(7), "matmul"
+    x, y = _ints(rng, (256, 384)), _ints(rng, (384, 256))  # grid (2, 2, 3)
+    call = _inspect(name, matmul, 2, x, y, interpret=pltpu.InterpretParams())
+    if len(call.grid) != 3 or call.ignored_axes(2) != {2}:
+        raise CheckFailed(f"failed: {name} — grid {call.grid} with the output's index map ignoring axes "
+                          f"{sorted(call.ignored_axes(2))}: the grid is (i, j, k) with k, the reduction, last; the "
+                          "output's map is (i, j), ignoring k, so its block stays in VMEM across the reduction")
+    if call.semantics[2] != "arbitrary":
+        raise CheckFailed(f"failed: {name} — k, the reduction axis, is marked 'parallel' ({call.semantics}): its "
+                          "steps share the accumulator, so they must run in order; mark it 'arbitrary'")
+    asked = ("arbitrary", "arbitrary", "arbitrary")
+    if _inspect(name, matmul, 2, x, y, semantics=asked, interpret=True).semantics != asked:
+        raise CheckFailed(f"failed: {name} — it ignores its `semantics` argument: pass compiler_params="
+                          "pltpu.CompilerParams(dimension_semantics=semantics) (section 6 swaps in other semantics)")
+    for case, (m, kk, n) in [("grid (1, 3, 2): X [128, 256] @ Y [256, 384]", (128, 256, 384)),
+                             ("grid (2, 2, 2): X [256, 256] @ Y [256, 256]", (256, 256, 256))]:
+        x, y = _ints(rng, (m, kk)), _ints(rng, (kk, n))
+        with _tpu_interpret(name, case, "for step (i, j, k), X's block is (i, k), Y's (k, j), the output's (i, j)"):
+            got = matmul(x, y, kernel=matmul_kernel_solution, interpret=pltpu.InterpretParams())
+        _values(name, case, got, np.asarray(x, np.float64) @ np.asarray(y, np.float64),
+                "check the index maps: for step (i, j, k), X's block is (i, k), Y's (k, j), the output's (i, j)")
+    print("passed: matmul in TPU interpret mode (grids (1, 3, 2) and (2, 2, 2)), k last and 'arbitrary'")
+
+
+def check_tiled_matmul(answer: tuple[Callable[..., Any], Callable[..., Any]]) -> None:
+    """``(matmul_kernel, matmul)``: the kernel on the checker's own grid, then the ``pallas_call`` around it."""
+    _check_kernel(answer[0])
+    _check_wrapper(answer[1])
+
+
+TILED_MATMUL = Puzzle("puzzle 2: a tiled matmul with an accumulator", check_tiled_matmul,
+                      (matmul_kernel_solution, matmul_solution), (
+    "The kernel, in this order: under `@pl.when(k == 0)` zero `acc_ref`; on every step add "
+    "`jnp.dot(x_ref[...], y_ref[...], preferred_element_type=jnp.float32)` into it; under "
+    "`@pl.when(k == pl.num_programs(2) - 1)` copy `acc_ref` into `o_ref`. `k` is `pl.program_id(2)`.",
+    "The call: `grid=(m // block, n // block, kk // block)`; for step `(i, j, k)` X's block is `(i, k)`, Y's "
+    "`(k, j)`, the output's `(i, j)`; `scratch_shapes=[pltpu.VMEM((block, block), jnp.float32)]`; "
+    "`compiler_params=pltpu.CompilerParams(dimension_semantics=semantics)`; `out_shape` float32 `[m, n]`; "
+    "and pass `kernel` and `interpret` through."))
+
+
+# -- exercises -------------------------------------------------------------------------------------------------
+
+
+def check_matmul_bias(matmul_bias: Callable[..., Any]) -> None:
+    """Exercise 1: ``matmul_bias(x, y, bias, interpret=...)`` = ``x @ y + bias`` in one kernel, in TPU interpret
+    mode (where a bias index map that leaves the bias's single row of blocks is an error, not clamped)."""
+    rng, name = np.random.default_rng(8), "matmul_bias"
+    x, y, bias = jnp.zeros((256, 256), jnp.bfloat16), jnp.zeros((256, 256), jnp.bfloat16), jnp.zeros((1, 256))
+    _inspect(name, matmul_bias, 3, x, y, bias, interpret=pltpu.InterpretParams())
+    for case, (m, kk, n) in [("grid (2, 2, 2): X [256, 256] @ Y [256, 256]", (256, 256, 256)),
+                             ("grid (1, 3, 3): X [128, 384] @ Y [384, 384]", (128, 384, 384))]:
+        x, y = _ints(rng, (m, kk)), _ints(rng, (kk, n))
+        bias = jnp.asarray(rng.integers(1, 4, size=(1, n)), jnp.float32)
+        with _tpu_interpret(name, case, "the bias [1, N] has one row of blocks of shape (1, block): for step "
+                            "(i, j, k) it is block (0, j), whatever i and k"):
+            got = np.asarray(matmul_bias(x, y, bias, interpret=pltpu.InterpretParams()), np.float64)
+        product, steps = np.asarray(x, np.float64) @ np.asarray(y, np.float64), kk // 128
+        if np.isnan(got).any():
+            raise CheckFailed(f"failed: {name}, case '{case}' — NaN in the output: zero the accumulator at k == 0")
+        if np.array_equal(got, product + steps * np.asarray(bias)):
+            raise CheckFailed(f"failed: {name}, case '{case}' — the bias was added {steps} times, once per k step: "
+                              "add it once, in finalize")
+        if np.array_equal(got, product):
+            raise CheckFailed(f"failed: {name}, case '{case}' — no bias in the output: add bias_ref[...] in finalize")
+        _values(name, case, got, product + np.asarray(bias), "x @ y accumulated over k, plus the bias block (0, j)")
+    print("passed: matmul_bias in TPU interpret mode (grids (2, 2, 2) and (1, 3, 3)), bias added once, in the kernel")
+
+
+def check_count_copies(count_copies: Callable[[Sequence[Point], Callable[..., Point]], int]) -> None:
+    """Exercise 2: ``count_copies(visits, index_map)`` for the matmul's X, Y and output maps on three walks of the
+    grid (2, 2, 3): k last in order, k last with (i, j) shuffled as TPU interpret mode does, and k outermost."""
+    maps = {"X": lambda i, j, k: (i, k), "Y": lambda i, j, k: (k, j), "O": lambda i, j, k: (i, j)}
+    blocks = [(1, 0), (0, 1), (1, 1), (0, 0)]  # a fixed shuffle of the (i, j) blocks
+    walks = {"k last": [(i, j, k) for i in range(2) for j in range(2) for k in range(3)],
+             "k last, (i, j) shuffled": [(i, j, k) for i, j in blocks for k in range(3)],
+             "k outermost": [(i, j, k) for k in range(3) for i in range(2) for j in range(2)]}
+    for walk, visits in walks.items():
+        for label, index_map in maps.items():
+            got, want = count_copies(list(visits), index_map), _changes([index_map(*p) for p in visits])
+            distinct = len({index_map(*p) for p in visits})
+            hint = ("a block is copied again each time the index changes back to it, so count changes from one step "
+                    "to the next, not different blocks" if got == distinct else
+                    "the first step copies its block too (+1)" if got == want - 1 else
+                    "a copy happens only when the block index differs from the previous step's" if got == len(visits)
+                    else "count the steps whose block index differs from the previous step's, plus the first")
+            if got != want:
+                raise CheckFailed(f"failed: count_copies, walk '{walk}', {label}'s map — {got} copies, expected "
+                                  f"{want}: {hint}")
+    print("passed: count_copies on three walks. With k outermost the output is written back 12 times instead of 4, "
+          "and consecutive steps belong to different output blocks, so one scratch accumulator could no longer carry "
+          "a running sum: that is why k goes last")
+
+
+def check_row_sum(row_sum_fixed: Callable[..., Any]) -> None:
+    """Exercise 3: ``row_sum_fixed(x, interpret=...)``, the row sums ``[M, 1]`` walked in column blocks, in TPU
+    interpret mode on two shapes; an axis the output's index map ignores (the reduction) must be 'arbitrary'."""
+    rng, name = np.random.default_rng(9), "row_sum_fixed"
+    for case, shape in [("x [16, 512]: 4 column blocks", (16, 512)), ("x [24, 384]: 3 column blocks", (24, 384))]:
+        x = jnp.asarray(rng.integers(-3, 4, size=shape), jnp.float32)
+        call = _inspect(name, row_sum_fixed, 1, x, interpret=pltpu.InterpretParams())
+        with _tpu_interpret(name, case, "the column axis walks x's blocks; the output has one column of blocks"):
+            got = np.asarray(row_sum_fixed(x, interpret=pltpu.InterpretParams()), np.float64)
+        parallel = [axis for axis in call.ignored_axes(1) if call.semantics[axis] == "parallel"]
+        if parallel:
+            raise CheckFailed(f"failed: {name}, case '{case}' — grid axis {parallel[0]} carries the running sum (the "
+                              f"output's index map ignores it) but is marked 'parallel' ({call.semantics}): TPU "
+                              "interpret mode shuffles it and a TPU may split it; mark it 'arbitrary'")
+        if np.isnan(got).any():
+            raise CheckFailed(f"failed: {name}, case '{case}' — NaN in the output: fresh scratch is NaN in TPU "
+                              "interpret mode; zero acc_ref under pl.when on the first column step")
+        _values(name, case, got, np.asarray(x, np.float64).sum(axis=1, keepdims=True),
+                "each row's sum over every column block, accumulated in acc_ref")
+    print("passed: row_sum_fixed in TPU interpret mode (2 shapes): accumulator initialised, column axis 'arbitrary'")

@@ -1,0 +1,143 @@
+"""Checkers of notebook 00's exercises: a first Pallas kernel (``scaled_add``), and which block shapes the TPU
+toolchain accepts.
+
+``scaled_add(x, y, alpha, *, interpret=None)`` runs under :class:`pltpu.InterpretParams` (TPU semantics on the
+CPU: a block index past the array's edge is an error, and output the kernel never writes reads as NaN), on
+shapes other than the notebook's, so a grid copied from the notebook's ``(32, 256)`` example is caught.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from flashlib.checks import CheckFailed
+from flashlib.tpu_compile import lower_for_tpu
+
+__all__ = ["BLOCK_CANDIDATES", "block_lowers", "check_block_prediction", "check_scaled_add"]
+
+
+# -- exercise 1: scaled_add ------------------------------------------------------------------------------------
+
+
+_SCALED_ADD_CASES = (
+    ("the notebook's (32, 256) arrays, alpha = 0.5", (32, 256), 0.5),
+    ("alpha = -2 (a different alpha)", (32, 256), -2.0),
+    ("a (16, 384) array, alpha = 3 (a different grid)", (16, 384), 3.0),
+)
+
+
+def _scaled_add_mistake(got: np.ndarray, x: np.ndarray, y: np.ndarray, alpha: float) -> str:
+    if np.isnan(got).any():
+        return ("part of the output is NaN, so some tiles were never written: the grid must cover the whole array, "
+                "(x.shape[0] // 8, x.shape[1] // 128) for (8, 128) tiles")
+    for want, mistake in (
+        (alpha * (x + y), "y is scaled too: only x is multiplied by alpha"),
+        (x + alpha * y, "alpha multiplies y; it should multiply x"),
+        (x + y, "alpha is not applied: the kernel adds x and y as `add` does"),
+        (0.5 * x + y, "alpha is fixed at 0.5: use the `alpha` argument (the kernel can close over it)"),
+    ):
+        if np.allclose(got, want, atol=1e-5):
+            return mistake
+    return "the output is not alpha * x + y"
+
+
+def check_scaled_add(scaled_add: Callable) -> None:
+    """``scaled_add(x, y, alpha, interpret=...)``: a Pallas kernel computing ``alpha * x + y``."""
+    for case, shape, alpha in _SCALED_ADD_CASES:
+        rows, cols = shape
+        cpu = jax.devices("cpu")[0]  # the interpreter runs on the host, on a TPU machine too
+        x = jax.device_put(np.arange(rows * cols, dtype=np.float32).reshape(shape) / cols, cpu)
+        y = jax.device_put(np.random.default_rng(rows).normal(size=shape).astype(np.float32), cpu)
+        where = f"failed: scaled_add, case '{case}' —"
+        params = pltpu.InterpretParams()
+        try:
+            traced = str(jax.make_jaxpr(lambda x, y: scaled_add(x, y, alpha, interpret=params))(x, y))  # noqa: B023
+        except TypeError as err:
+            if "interpret" not in str(err):
+                raise
+            raise CheckFailed(f"{where} scaled_add takes no `interpret` argument: keep the stub's signature, "
+                              "scaled_add(x, y, alpha, *, interpret=None), and pass it to pl.pallas_call") from None
+        if "pallas_call" not in traced:
+            raise CheckFailed(f"{where} no Pallas kernel runs: write it with pl.pallas_call, starting from `add`")
+        pltpu.reset_tpu_interpret_mode_state()  # an earlier attempt that raised mid-kernel leaves it dirty
+        try:
+            out = scaled_add(x, y, alpha, interpret=params)
+        except Exception as err:  # the interpreter's bounds check, raised from inside the kernel's run
+            pltpu.reset_tpu_interpret_mode_state()  # so the next kernel interpreted in this process starts clean
+            if "Out-of-bounds block index" not in str(err):
+                raise
+            raise CheckFailed(f"{where} a grid step reads a block past the array's edge: compute the grid from "
+                              "x.shape, (x.shape[0] // 8, x.shape[1] // 128)") from None
+        if tuple(np.shape(out)) != shape:
+            raise CheckFailed(f"{where} output shape {tuple(np.shape(out))}, expected {shape} like x")
+        got, want = np.asarray(out, np.float64), alpha * np.asarray(x, np.float64) + np.asarray(y, np.float64)
+        if not np.allclose(got, want, atol=1e-5):
+            raise CheckFailed(f"{where} {_scaled_add_mistake(got, np.asarray(x), np.asarray(y), alpha)}")
+    print(f"passed: scaled_add is a Pallas kernel computing alpha * x + y in all {len(_SCALED_ADD_CASES)} cases "
+          "(another alpha, another grid)")
+
+
+# -- exercise 2: which block shapes lower ----------------------------------------------------------------------
+
+
+BLOCK_CANDIDATES = ((8, 128), (16, 256), (8, 1024), (1024, 64), (1024, 1024))
+_ARRAY = (1024, 1024)
+
+
+def _add_kernel(x_ref, y_ref, o_ref):
+    o_ref[...] = x_ref[...] + y_ref[...]
+
+
+@functools.cache
+def block_lowers(block: tuple[int, int]) -> tuple[bool, str]:
+    """Whether the add kernel with ``block`` tiles lowers for TPU on a float32 ``(1024, 1024)`` array, and what
+    the toolchain said."""
+    def fn(x, y):
+        tile = pl.BlockSpec(block, lambda i, j: (i, j))
+        grid = (_ARRAY[0] // block[0], _ARRAY[1] // block[1])
+        return pl.pallas_call(_add_kernel, grid=grid, in_specs=[tile, tile], out_specs=tile,
+                              out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype))(x, y)
+
+    spec = jax.ShapeDtypeStruct(_ARRAY, jnp.float32)
+    result = lower_for_tpu(fn, spec, spec)
+    return result.ok, result.summary
+
+
+def _why(block: tuple[int, int]) -> str:
+    rows = "divisible by 8" if block[0] % 8 == 0 else ("equal to the array's" if block[0] == _ARRAY[0] else
+                                                       "neither divisible by 8 nor the array's")
+    cols = "divisible by 128" if block[1] % 128 == 0 else ("equal to the array's" if block[1] == _ARRAY[1] else
+                                                          "neither divisible by 128 nor the array's")
+    return f"its rows {block[0]} are {rows}, its columns {block[1]} are {cols}"
+
+
+def check_block_prediction(prediction: Iterable) -> None:
+    """``prediction``: the set of :data:`BLOCK_CANDIDATES` that lower for a ``(1024, 1024)`` float32 array,
+    compared with the toolchain's verdict on each one; every wrong one is named with the rule it breaks or keeps."""
+    try:
+        predicted = {tuple(int(n) for n in block) for block in prediction}
+    except (TypeError, ValueError):
+        raise CheckFailed("failed: block prediction — give a set of (rows, cols) pairs, e.g. {(8, 128)}") from None
+    strangers = sorted(predicted - set(BLOCK_CANDIDATES))
+    if strangers:
+        raise CheckFailed(f"failed: block prediction — {strangers} not among the candidates {list(BLOCK_CANDIDATES)}")
+    wrong = []
+    for block in BLOCK_CANDIDATES:
+        ok, said = block_lowers(block)
+        if ok and block not in predicted:
+            wrong.append(f"case 'block {block}': it lowers, but you left it out — {_why(block)}; the rule asks "
+                         "only that each of the last two block dimensions be divisible by (8, 128) or equal the "
+                         "array's, however large the block")
+        elif not ok and block in predicted:
+            wrong.append(f"case 'block {block}': you predicted it lowers, the toolchain rejects it — {_why(block)} "
+                         f"(the toolchain: {said})")
+    if wrong:
+        raise CheckFailed("failed: block prediction — " + "; ".join(wrong))
+    print(f"passed: your prediction matches the TPU toolchain on all {len(BLOCK_CANDIDATES)} block shapes")

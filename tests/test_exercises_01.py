@@ -1,0 +1,213 @@
+"""Notebook 01's puzzles and exercise checkers (:mod:`flashlib.exercises.softmax`), run three ways: on the
+notebook's stub (the puzzle falls back to its solution, the exercise is reported as not attempted), on plausible
+wrong answers (each fails with the message naming its mistake) and on a solution (it passes)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flashlib.checks import CheckFailed, exercise
+from flashlib.exercises import softmax as nb01
+
+
+def _stub(*args, **kwargs):
+    raise NotImplementedError
+
+
+# -- puzzle 1: attention in three lines -------------------------------------------------------------------------
+
+
+def attention_unscaled(q, k, v):  # forgets the 1/sqrt(d)
+    return jax.nn.softmax(q @ k.T, axis=-1) @ v
+
+
+def attention_over_queries(q, k, v):  # normalises the columns of S
+    return jax.nn.softmax(q @ k.T / jnp.sqrt(q.shape[-1]), axis=0) @ v
+
+
+def attention_returns_p(q, k, v):  # stops at the weights
+    return jax.nn.softmax(q @ k.T / jnp.sqrt(q.shape[-1]), axis=-1)
+
+
+def test_attention_stub_falls_back_to_the_solution(capsys):
+    assert nb01.ATTENTION.use(_stub) is nb01.attention_solution
+    assert "not attempted yet" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("wrong, message", [
+    (attention_unscaled, "case '8 queries, 12 keys, d = 4' — the scores are not scaled"),
+    (attention_over_queries, "the softmax runs over the queries"),
+    (attention_returns_p, "output shape \\(8, 12\\), expected \\(8, 4\\)"),
+])
+def test_attention_wrong_answers_fail_with_their_hint(wrong, message):
+    with pytest.raises(CheckFailed, match=message):
+        nb01.check_attention_three_lines(wrong)
+
+
+def test_attention_solution_passes(capsys):
+    assert nb01.ATTENTION.use(nb01.attention_solution) is nb01.attention_solution
+    assert "passed: attention" in capsys.readouterr().out
+
+
+# -- puzzle 2: the stable softmax -------------------------------------------------------------------------------
+
+
+def softmax_naive(x, axis=-1):
+    e = jnp.exp(x)
+    return e / jnp.sum(e, axis=axis, keepdims=True)
+
+
+def softmax_no_keepdims(x, axis=-1):
+    m = jnp.max(x, axis=axis)
+    e = jnp.exp(x - m)
+    return e / jnp.sum(e, axis=axis)
+
+
+def softmax_global_max(x, axis=-1):
+    e = jnp.exp(x - jnp.max(x))
+    return e / jnp.sum(e, axis=axis, keepdims=True)
+
+
+def softmax_unguarded(x, axis=-1):  # the textbook stable softmax: NaN for a row of only -inf
+    e = jnp.exp(x - jnp.max(x, axis=axis, keepdims=True))
+    return e / jnp.sum(e, axis=axis, keepdims=True)
+
+
+def softmax_last_axis_only(x, axis=-1):  # ignores `axis`
+    return nb01.stable_softmax_solution(x)
+
+
+def softmax_in_float32(x, axis=-1):  # returns float32 for bfloat16 logits
+    return nb01.stable_softmax_solution(x.astype(jnp.float32), axis=axis)
+
+
+def test_stable_softmax_stub_falls_back_to_the_solution(capsys):
+    assert nb01.STABLE_SOFTMAX.use(_stub) is nb01.stable_softmax_solution
+    assert "not attempted yet" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("wrong, message", [
+    (softmax_naive, "case 'large logits, \\[10, 50, 100\\].*exp overflowed to inf: subtract the maximum"),
+    (softmax_no_keepdims, "case 'ordinary logits, a 6 x 6 matrix' — sums along axis -1 .*keepdims=True"),
+    (softmax_global_max, "case 'rows on very different scales.*not the maximum of the whole array"),
+    (softmax_unguarded, "case 'a row where every entry is -inf.*must give zeros"),
+    (jax.nn.softmax, "case 'a row where every entry is -inf"),
+    (softmax_last_axis_only, "case 'axis=0 of a 3 x 5 matrix' — sums along axis 0"),
+    (softmax_in_float32, "case 'bfloat16 logits.*dtype float32, expected x's dtype bfloat16"),
+])
+def test_stable_softmax_wrong_answers_fail_with_their_hint(wrong, message):
+    with pytest.raises(CheckFailed, match=message):
+        nb01.check_stable_softmax(wrong)
+
+
+def test_stable_softmax_solution_passes(capsys):
+    assert nb01.STABLE_SOFTMAX.use(nb01.stable_softmax_solution) is nb01.stable_softmax_solution
+    assert "passed: stable_softmax" in capsys.readouterr().out
+
+
+def test_the_all_masked_row_contract_is_flashlibs():
+    """A row of only -inf gives zeros, as flashlib's attention gives a query that sees no key."""
+    from flashlib.reference import attention_naive
+    q = jnp.ones((1, 1, 3, 4))
+    out = attention_naive(q, q[:, :, :1], q[:, :, :1], causal=True)  # queries 0 and 1 see no key
+    np.testing.assert_array_equal(np.asarray(out[0, 0, :2]), 0.0)
+    np.testing.assert_array_equal(np.asarray(nb01.stable_softmax_solution(jnp.full((2, 3), -jnp.inf))), 0.0)
+
+
+# -- exercise 1: my_attention, stable, in plain jnp ------------------------------------------------------------
+
+
+def my_attention_solution(q, k, v):
+    return nb01.stable_softmax_solution(q @ k.T / jnp.sqrt(q.shape[-1])) @ v
+
+
+def my_attention_naive_softmax(q, k, v):
+    return softmax_naive(q @ k.T / jnp.sqrt(q.shape[-1])) @ v
+
+
+def my_attention_scaled_by_d(q, k, v):
+    return nb01.stable_softmax_solution(q @ k.T / q.shape[-1]) @ v
+
+
+def test_my_attention_stub_is_not_attempted(capsys):
+    exercise("exercise 1", lambda: _stub, nb01.check_my_attention)
+    assert "not attempted yet" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("wrong, message", [
+    (my_attention_naive_softmax, "case '8 queries, 12 keys, d = 4, q x 100' — the output has NaN or inf"),
+    (my_attention_scaled_by_d, "case '8 queries, 12 keys, d = 4' — the scores are divided by d"),
+    (attention_unscaled, "the scores are not scaled"),
+])
+def test_my_attention_wrong_answers_fail_with_their_hint(wrong, message):
+    with pytest.raises(CheckFailed, match=message):
+        nb01.check_my_attention(wrong)
+
+
+def test_my_attention_solution_passes(capsys):
+    nb01.check_my_attention(my_attention_solution)
+    assert capsys.readouterr().out.startswith("passed: my_attention")
+
+
+# -- exercise 2: bytes of the score matrix ---------------------------------------------------------------------
+
+
+def test_score_matrix_bytes_stub_is_not_attempted(capsys):
+    exercise("exercise 2", lambda: _stub, nb01.check_score_matrix_bytes)
+    assert "not attempted yet" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("wrong, message", [
+    (lambda n, dtype: 4 * n * n, "case 'N = 8192, bfloat16' — .*bfloat16 has 2 bytes per entry, not 4"),
+    (lambda n, dtype: n * n, "case 'a single float32 score' — .*the number of entries"),
+    (lambda n, dtype: jnp.array(n) ** 2 * np.dtype(dtype).itemsize, "case 'N = 65536, .*overflows 32-bit"),
+    (lambda n, dtype: n * np.dtype(dtype).itemsize, "case 'N = 1024, float32' — .*that is one row"),
+])
+def test_score_matrix_bytes_wrong_answers_fail_with_their_hint(wrong, message):
+    with pytest.raises(CheckFailed, match=message):
+        nb01.check_score_matrix_bytes(wrong)
+
+
+def test_score_matrix_bytes_solution_passes(capsys):
+    nb01.check_score_matrix_bytes(lambda n, dtype: n * n * np.dtype(dtype).itemsize)
+    assert capsys.readouterr().out.startswith("passed: score_matrix_bytes")
+
+
+# -- exercise 3: the previous-token head -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def heads():
+    from flashlib.data import load_attention_data
+    data = load_attention_data()
+    scores = nb01._mean_offset_attention(data, -1)
+    nexts = nb01._mean_offset_attention(data, +1)
+    return data, max(scores, key=scores.get), max(nexts, key=nexts.get)
+
+
+def test_previous_token_head_stub_is_not_attempted(capsys):
+    exercise("exercise 3", lambda: _stub(), nb01.check_previous_token_head)  # my_head() raises for None
+    assert "not attempted yet" in capsys.readouterr().out
+
+
+def test_previous_token_head_wrong_answers_fail_with_their_hint(heads):
+    data, best, following = heads
+    assert following != best
+    with pytest.raises(CheckFailed, match="the head that looks at the NEXT token"):
+        nb01.check_previous_token_head(following, data)
+    with pytest.raises(CheckFailed, match="count(s)? from 0"):
+        nb01.check_previous_token_head((best[0] + 1, best[1] + 1), data)
+    other = (0, 0) if best != (0, 0) else (0, 1)
+    with pytest.raises(CheckFailed, match="one head does better"):
+        nb01.check_previous_token_head(other, data)
+    with pytest.raises(CheckFailed, match="not a \\(layer, head\\) pair"):
+        nb01.check_previous_token_head(3, data)
+
+
+def test_previous_token_head_solution_passes(heads, capsys):
+    data, best, _ = heads
+    nb01.check_previous_token_head(list(best), data)
+    assert capsys.readouterr().out.startswith("passed: the previous-token head")

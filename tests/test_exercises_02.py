@@ -1,0 +1,251 @@
+"""Notebook 02's puzzles and exercises (:mod:`flashlib.exercises.tiling`), run three ways: on the notebook's stub
+(reported as not attempted, no traceback), on plausible wrong answers (each fails with the message that points
+at its mistake) and on a solution (it passes)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flashlib.checks import CheckFailed, exercise
+from flashlib.exercises import tiling as nb02
+
+
+def _stub(*args, **kwargs):
+    raise NotImplementedError
+
+
+# -- puzzle 1: tiled S = Q K^T / sqrt(d) ---------------------------------------------------------------------------
+
+
+def _scores(q, k, block_q, block_k, matmul, *, scale=True, last_tile=True, swap=False):
+    """Tiled scores with one mistake switched on at a time."""
+    if swap:
+        block_q, block_k = block_k, block_q
+    s = jnp.zeros((q.shape[0], k.shape[0]))
+    q_end = q.shape[0] if last_tile else q.shape[0] - q.shape[0] % block_q
+    k_end = k.shape[0] if last_tile else k.shape[0] - k.shape[0] % block_k
+    for i in range(0, q_end, block_q):
+        for j in range(0, k_end, block_k):
+            s_ij = matmul(q[i : i + block_q], k[j : j + block_k].T) * (1 / np.sqrt(q.shape[1]) if scale else 1.0)
+            s = s.at[i : i + block_q, j : j + block_k].set(s_ij)
+    return s
+
+
+def scores_unscaled(q, k, block_q, block_k, matmul=jnp.matmul):  # forgets 1 / sqrt(d)
+    return _scores(q, k, block_q, block_k, matmul, scale=False)
+
+
+def scores_drop_last_tile(q, k, block_q, block_k, matmul=jnp.matmul):  # range(0, n - n % block, block)
+    return _scores(q, k, block_q, block_k, matmul, last_tile=False)
+
+
+def scores_swapped_blocks(q, k, block_q, block_k, matmul=jnp.matmul):  # cuts Q by block_k and K by block_q
+    return _scores(q, k, block_q, block_k, matmul, swap=True)
+
+
+def scores_untiled(q, k, block_q, block_k, matmul=jnp.matmul):  # right numbers, one big product
+    return matmul(q, k.T) / np.sqrt(q.shape[1])
+
+
+def scores_with_at_sign(q, k, block_q, block_k, matmul=jnp.matmul):  # tiled, but the checker cannot see it
+    return _scores(q, k, block_q, block_k, jnp.matmul)
+
+
+def test_tiled_scores_stub_is_not_attempted(capsys):
+    def tiled_scores(q, k, block_q, block_k, matmul=jnp.matmul):
+        raise NotImplementedError  # your code here
+
+    assert nb02.TILED_SCORES.use(tiled_scores) is nb02.tiled_scores_solution
+    assert "not attempted yet" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("wrong, message", [
+    (scores_unscaled, "without the scale: multiply by 1 / sqrt"),
+    (scores_drop_last_tile, "neither length divides its block.* the last, shorter tile is not"),
+    (scores_swapped_blocks, "swapped block sizes"),
+    (scores_untiled, "not tiled: a call multiplied \\[32, 8\\] @ \\[8, 48\\]"),
+    (scores_with_at_sign, "matmul was never called"),
+])
+def test_tiled_scores_wrong_answers_fail_with_their_hint(wrong, message):
+    with pytest.raises(CheckFailed, match=message):
+        nb02.check_tiled_scores(wrong)
+
+
+def test_tiled_scores_wrong_answer_falls_back_to_the_solution(capsys):
+    assert nb02.TILED_SCORES.use(scores_unscaled) is nb02.tiled_scores_solution
+    assert "not passed yet" in capsys.readouterr().out
+
+
+def test_tiled_scores_solution_passes(capsys):
+    assert nb02.TILED_SCORES.use(nb02.tiled_scores_solution) is nb02.tiled_scores_solution
+    out = capsys.readouterr().out
+    assert out.startswith("passed: tiled_scores") and "solved" in out
+
+
+# -- puzzle 2: tiled O = P V -----------------------------------------------------------------------------------------
+
+
+def _pv(p, v, block_q, block_k, matmul, *, accumulate=True, last_key_tile=True, whole_rows=False):
+    out = jnp.zeros((p.shape[0], v.shape[1]))
+    k_end = p.shape[1] if last_key_tile else p.shape[1] - p.shape[1] % block_k
+    for i in range(0, p.shape[0], block_q):
+        if whole_rows:
+            out = out.at[i : i + block_q].set(matmul(p[i : i + block_q], v))
+            continue
+        acc = jnp.zeros((p[i : i + block_q].shape[0], v.shape[1]))
+        for j in range(0, k_end, block_k):
+            product = matmul(p[i : i + block_q, j : j + block_k], v[j : j + block_k])
+            acc = acc + product if accumulate else product
+        out = out.at[i : i + block_q].set(acc)
+    return out
+
+
+def pv_overwrites(p, v, block_q, block_k, matmul=jnp.matmul):  # acc = ... instead of acc += ...
+    return _pv(p, v, block_q, block_k, matmul, accumulate=False)
+
+
+def pv_drop_last_key_tile(p, v, block_q, block_k, matmul=jnp.matmul):
+    return _pv(p, v, block_q, block_k, matmul, last_key_tile=False)
+
+
+def pv_whole_rows(p, v, block_q, block_k, matmul=jnp.matmul):  # tiles the queries only
+    return _pv(p, v, block_q, block_k, matmul, whole_rows=True)
+
+
+def test_tiled_pv_stub_is_not_attempted(capsys):
+    def tiled_pv(p, v, block_q, block_k, matmul=jnp.matmul):
+        raise NotImplementedError  # your code here
+
+    assert nb02.TILED_PV.use(tiled_pv) is nb02.tiled_pv_solution
+    assert "not attempted yet" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("wrong, message", [
+    (pv_overwrites, "only the last key tile counts.*acc \\+="),
+    (pv_drop_last_key_tile, "neither length divides its block.* the last, shorter key tile is missing"),
+    (pv_whole_rows, "not tiled: a call multiplied \\[16, 48\\] @ \\[48, 8\\]"),
+])
+def test_tiled_pv_wrong_answers_fail_with_their_hint(wrong, message):
+    with pytest.raises(CheckFailed, match=message):
+        nb02.check_tiled_pv(wrong)
+
+
+def test_tiled_pv_solution_passes(capsys):
+    assert nb02.TILED_PV.use(nb02.tiled_pv_solution) is nb02.tiled_pv_solution
+    assert capsys.readouterr().out.startswith("passed: tiled_pv")
+
+
+# -- exercise 1: blocked matmul with rectangular tiles --------------------------------------------------------------
+
+
+def matmul_solution(a, b, block_m, block_n, block_k, matmul=jnp.matmul):
+    c = jnp.zeros((a.shape[0], b.shape[1]))
+    for i in range(0, a.shape[0], block_m):
+        for j in range(0, b.shape[1], block_n):
+            acc = jnp.zeros((block_m, block_n))
+            for p in range(0, a.shape[1], block_k):
+                acc += matmul(a[i : i + block_m, p : p + block_k], b[p : p + block_k, j : j + block_n])
+            c = c.at[i : i + block_m, j : j + block_n].set(acc)
+    return c
+
+
+def matmul_untiled(a, b, block_m, block_n, block_k, matmul=jnp.matmul):  # the old checker passed this
+    return matmul(a, b)
+
+
+def matmul_swaps_n_and_k(a, b, block_m, block_n, block_k, matmul=jnp.matmul):
+    return matmul_solution(a, b, block_m, block_k, block_n, matmul)
+
+
+def matmul_with_at_sign(a, b, block_m, block_n, block_k, matmul=jnp.matmul):  # tiled, but not through matmul
+    return matmul_solution(a, b, block_m, block_n, block_k, jnp.matmul)
+
+
+def matmul_overwrites(a, b, block_m, block_n, block_k, matmul=jnp.matmul):  # acc = ... instead of acc += ...
+    c = jnp.zeros((a.shape[0], b.shape[1]))
+    for i in range(0, a.shape[0], block_m):
+        for j in range(0, b.shape[1], block_n):
+            for p in range(0, a.shape[1], block_k):
+                acc = matmul(a[i : i + block_m, p : p + block_k], b[p : p + block_k, j : j + block_n])
+            c = c.at[i : i + block_m, j : j + block_n].set(acc)
+    return c
+
+
+def test_tiled_matmul_stub_is_not_attempted(capsys):
+    def my_tiled_matmul(a, b, block_m, block_n, block_k, matmul=jnp.matmul):
+        raise NotImplementedError  # three loops over tiles, one accumulator
+
+    exercise("exercise 1", lambda: my_tiled_matmul, nb02.check_tiled_matmul)  # as the notebook calls it
+    assert "not attempted yet" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("wrong, message", [
+    (matmul_untiled, "all differ' — not tiled: a call multiplied \\[12, 40\\] @ \\[40, 16\\]"),
+    (matmul_swaps_n_and_k, "swapped block sizes"),
+    (matmul_with_at_sign, "matmul was never called"),
+    (matmul_overwrites, "only the last block_k slice of the shared dimension counts"),
+])
+def test_tiled_matmul_wrong_answers_fail_with_their_hint(wrong, message):
+    with pytest.raises(CheckFailed, match=message):
+        nb02.check_tiled_matmul(wrong)
+
+
+def test_tiled_matmul_solution_passes(capsys):
+    nb02.check_tiled_matmul(matmul_solution)
+    assert capsys.readouterr().out.startswith("passed: my_tiled_matmul")
+
+
+# -- exercise 2: count the causal grid --------------------------------------------------------------------------------
+
+
+def test_causal_count_stub_is_not_attempted(capsys):
+    my_causal_count = None
+    exercise("exercise 2", lambda: my_causal_count, nb02.check_causal_count)
+    assert "not attempted yet" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("wrong, message", [
+    ({"steps": 24, "skipped": 18, "masked": 3}, "18 skipped and 3 masked: that is a top-left aligned mask"),
+    ({"steps": 21, "skipped": 3, "masked": 3}, "21 steps.*the skipped steps count too"),
+    ({"steps": 24, "skipped": 3, "masked": 4}, "3 skipped and 4 masked: draw the diagonal"),
+    ((24, 3, 3), "answer a dict"),
+])
+def test_causal_count_wrong_answers_fail_with_their_hint(wrong, message):
+    with pytest.raises(CheckFailed, match=message):
+        nb02.check_causal_count(wrong)
+
+
+def test_causal_count_solution_passes(capsys):
+    nb02.check_causal_count({"steps": 24, "skipped": 3, "masked": 3})
+    assert capsys.readouterr().out.startswith("passed: causal count of the 384 x 1024 grid has 24 steps")
+
+
+# -- exercise 3: how big a query tile? --------------------------------------------------------------------------------
+
+
+def test_block_q_stub_is_not_attempted(capsys):
+    my_block_q = my_q_tile_kib = None
+    exercise("exercise 3", lambda: (my_block_q, my_q_tile_kib), nb02.check_block_q)
+    assert "not attempted yet" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("wrong, message", [
+    ((512, 128), "block_q = 512 gives only 7.3x"),
+    ((2048, 512), "block_q = 2048 gives 22.0x, but a smaller power of two"),
+    ((640, 160), "block_q = 640 is not a power of two"),
+    ((1024.5, 256), "not a power of two"),
+    ((1024, 512), "a bfloat16 element is 2 bytes, not 4"),
+    ((1024, 262144), "that is bytes: a KiB is 1024 bytes"),
+    ((1024, 262.144), "not 1000"),
+])
+def test_block_q_wrong_answers_fail_with_their_hint(wrong, message):
+    with pytest.raises(CheckFailed, match=message):
+        nb02.check_block_q(wrong)
+
+
+@pytest.mark.parametrize("answer", [(1024, 256), (2.0 ** 10, 256.0), (np.int64(1024), 1024 * 128 * 2 / 1024)])
+def test_block_q_solution_passes(capsys, answer):
+    nb02.check_block_q(answer)
+    assert capsys.readouterr().out.startswith("passed: block_q = 1024 moves 13.2x fewer bytes")

@@ -1,0 +1,236 @@
+"""Notebook 06's puzzles and exercises (:mod:`flashlib.exercises.flash_kernel`), each run three ways: the
+notebook's stub (reported as not attempted), plausible wrong answers (each fails with the message that names
+its mistake) and the solution (it passes). The kernels run under ``pltpu.InterpretParams()``."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import pytest
+from jax import lax
+from jax.experimental import pallas as pl
+
+from flashlib import cost
+from flashlib.checks import CheckFailed, exercise
+from flashlib.exercises import flash_kernel as nb06
+from flashlib.kernels import BlockSizes
+from flashlib.kernels.block_sizes import vmem_limit_bytes
+
+NT_DIMS = nb06.NT_DIMS
+
+
+def _stub(*args, **kwargs):
+    raise NotImplementedError
+
+
+def _init(m_ref, l_ref, acc_ref):
+    m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+
+def _fold(s, v_ref, m_ref, l_ref, acc_ref, *, rescale=True):
+    m_prev = m_ref[...]
+    m_next = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
+    alpha, p = (jnp.exp(m_prev - m_next) if rescale else 1.0), jnp.exp(s - m_next)
+    m_ref[...] = m_next
+    l_ref[...] = alpha * l_ref[...] + p.sum(axis=1, keepdims=True)
+    acc_ref[...] = alpha * acc_ref[...] + jnp.dot(p, v_ref[...].astype(jnp.float32))
+
+
+def _scores(q_ref, k_ref, scale):
+    return lax.dot_general(q_ref[...], k_ref[...], NT_DIMS, preferred_element_type=jnp.float32) * scale
+
+
+def _kernel(*, init="first", rescale=True, finalize="last", divide=True, cap=None):
+    """A forward kernel with one mistake switched on (the defaults make it right)."""
+    def kernel(q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref, *, scale, **params):
+        j, last = pl.program_id(3), pl.num_programs(3) - 1
+        if init == "first":
+            pl.when(j == 0)(lambda: _init(m_ref, l_ref, acc_ref))
+        elif init == "every step":
+            _init(m_ref, l_ref, acc_ref)
+        elif init == "where":  # notebook 06's old step 2: right numbers, no control flow
+            m_ref[...] = jnp.where(j == 0, -jnp.inf, m_ref[...])
+            l_ref[...] = jnp.where(j == 0, 0.0, l_ref[...])
+            acc_ref[...] = jnp.where(j == 0, 0.0, acc_ref[...])
+        s = _scores(q_ref, k_ref, scale)
+        if cap == "after scale":
+            s = params["cap"] * jnp.tanh(s / params["cap"])
+        elif cap == "before scale":
+            s = params["cap"] * jnp.tanh(s / scale / params["cap"]) * scale
+        elif cap == "no factor":
+            s = jnp.tanh(s / params["cap"])
+        _fold(s, v_ref, m_ref, l_ref, acc_ref, rescale=rescale)
+
+        def write():
+            o_ref[...] = ((acc_ref[...] / l_ref[...]) if divide else acc_ref[...]).astype(o_ref.dtype)
+        if finalize == "every step":
+            write()
+        else:
+            pl.when(j == (last if finalize == "last" else 0))(write)
+    return kernel
+
+
+# -- puzzle 1: the forward kernel ------------------------------------------------------------------------------
+
+
+def test_forward_stub_falls_back_to_the_solution(capsys):
+    assert nb06.FORWARD_KERNEL.use(_stub) is nb06.flash_kernel_solution
+    assert "not attempted yet" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("wrong, message", [
+    (_kernel(init=None), "NaN in the output: scratch starts as garbage"),
+    (_kernel(rescale=False), "not rescaled when the maximum grows"),
+    (_kernel(init="every step"), "attention over the LAST key block alone"),
+    (_kernel(finalize="first"), "attention over the FIRST key block alone"),
+    (_kernel(divide=False), "divide by l in finalize"),
+    (_kernel(init="where", finalize="every step"), "fewer than two pl.when"),
+], ids=["no init", "no rescale", "init every step", "finalize first", "no division", "no pl.when"])
+def test_forward_wrong_answers_fail_with_their_hint(wrong, message):
+    with pytest.raises(CheckFailed, match=message):
+        nb06.check_forward_kernel(wrong)
+
+
+def test_forward_solution_passes(capsys):
+    nb06.check_forward_kernel(nb06.flash_kernel_solution)
+    assert capsys.readouterr().out.startswith("passed: forward kernel")
+
+
+# -- puzzle 2: causal skipping -------------------------------------------------------------------------------
+
+
+def _last(i, block_q, block_k, offset, *, minus_one=True, aligned=True):
+    return lax.div((i + 1) * block_q - (1 if minus_one else 0) + (offset if aligned else 0), block_k)
+
+
+def _causal_map(*, clamp=True, minus_one=True):
+    def index_map(b, h, i, j, *, block_q, block_k, offset):
+        return b, h, (jnp.minimum(j, _last(i, block_q, block_k, offset, minus_one=minus_one)) if clamp else j), 0
+    return index_map
+
+
+def _causal_kernel(*, skip=True, mask=True, aligned=True):
+    def kernel(q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref, *, scale, offset):
+        block_q, block_k = q_ref.shape[0], k_ref.shape[0]
+        i, j = pl.program_id(2), pl.program_id(3)
+        pl.when(j == 0)(lambda: _init(m_ref, l_ref, acc_ref))
+
+        def body():
+            s = _scores(q_ref, k_ref, scale)
+            q_pos = i * block_q + lax.broadcasted_iota(jnp.int32, s.shape, 0) + (offset if aligned else 0)
+            kv_pos = j * block_k + lax.broadcasted_iota(jnp.int32, s.shape, 1)
+            _fold(jnp.where(kv_pos <= q_pos, s, nb06.MASK_VALUE) if mask else s, v_ref, m_ref, l_ref, acc_ref)
+        if skip:
+            pl.when(j <= _last(i, block_q, block_k, offset, aligned=aligned))(body)
+        else:
+            body()
+        pl.when(j == pl.num_programs(3) - 1)(lambda: o_ref.__setitem__(..., acc_ref[...] / l_ref[...]))
+    return kernel
+
+
+def test_causal_stub_falls_back_to_the_solution(capsys):
+    solution = nb06.CAUSAL_SKIPPING.use((_stub, _stub))
+    assert solution == (nb06.causal_kv_index_map_solution, nb06.flash_kernel_causal_solution)
+    assert "not attempted yet" in capsys.readouterr().out
+    nb06.CAUSAL_SKIPPING.use((_causal_map(), _stub))  # the map written, the kernel not yet
+    assert "not attempted yet" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("wrong, message", [
+    ((_causal_map(clamp=False), _causal_kernel()), "step \\(i=0, j=3\\) is skipped .* the index map is not clamped"),
+    ((_causal_map(minus_one=False), _causal_kernel()), "step \\(i=0, j=3\\) is skipped and should repeat block 2"),
+    ((_causal_map(), _causal_kernel(skip=False)), "the body runs on skipped steps"),
+    ((_causal_map(), _causal_kernel(mask=False)), "the diagonal block is not masked element by element"),
+    ((_causal_map(), _causal_kernel(aligned=False)), "the mask is aligned top-left"),
+], ids=["unclamped map", "off-by-one clamp", "no skip", "no mask", "top-left"])
+def test_causal_wrong_answers_fail_with_their_hint(wrong, message):
+    with pytest.raises(CheckFailed, match=message):
+        nb06.check_causal(wrong)
+
+
+def test_causal_solution_passes(capsys):
+    nb06.check_causal((nb06.causal_kv_index_map_solution, nb06.flash_kernel_causal_solution))
+    copies = ", ".join(str(cost.kv_block_fetches(*case[1:], causal=True)) for case in nb06._CAUSAL_CASES)
+    out = capsys.readouterr().out
+    assert out.startswith("passed: causal kernel") and copies == "7, 4, 8", copies
+    assert f"copies {copies} k blocks where an unclamped one copies 8, 8, 10" in out, out
+
+
+# -- exercise 1: softcapping -----------------------------------------------------------------------------------
+
+
+def test_softcap_stub_is_not_attempted(capsys):
+    exercise("exercise 1", lambda: _stub, nb06.check_softcap)
+    assert "not attempted yet" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("wrong, message", [
+    (_kernel(), "the scores are not capped"),
+    (_kernel(cap="before scale"), "the cap is applied before the scale"),
+    (_kernel(cap="no factor"), "multiply it by cap"),
+])
+def test_softcap_wrong_answers_fail_with_their_hint(wrong, message):
+    with pytest.raises(CheckFailed, match=message):
+        nb06.check_softcap(wrong)
+
+
+def test_softcap_solution_passes(capsys):
+    nb06.check_softcap(_kernel(cap="after scale"))
+    assert capsys.readouterr().out.startswith("passed: softcapped kernel")
+
+
+# -- exercise 2: counting ------------------------------------------------------------------------------------
+
+
+def test_counts_stub_is_not_attempted(capsys):
+    exercise("exercise 2", _stub, nb06.check_counts)
+    assert "not attempted yet" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("wrong, message", [
+    ((12, 32), "one copy per grid step, as without the clamp"),
+    ((12, 20), "one copy per step that computes is nearly it"),
+    ((20, 18), "20 is the number of steps that run"),
+])
+def test_counts_wrong_answers_fail_with_their_hint(wrong, message):
+    with pytest.raises(CheckFailed, match=message):
+        nb06.check_counts(wrong)
+
+
+def test_counts_solution_passes(capsys):
+    nb06.check_counts((12, 18))
+    assert capsys.readouterr().out.startswith("passed: 12 of 32 steps skipped, 18 k block copies")
+
+
+# -- exercise 3: blocks under a VMEM budget ----------------------------------------------------------------------
+
+SIZES = (128, 256, 512, 1024, 2048)
+
+
+def _picker(*, order, strict=False):
+    def pick_blocks(head_dim, dtype, generation):
+        limit = vmem_limit_bytes(generation)
+        fits = [(bq, bk) for bq in SIZES for bk in SIZES
+                if (BlockSizes(bq, bk).vmem_bytes(head_dim, dtype) < limit if strict
+                    else BlockSizes(bq, bk).vmem_bytes(head_dim, dtype) <= limit)]
+        return max(fits, key=order)
+    return pick_blocks
+
+
+@pytest.mark.parametrize("wrong, message", [
+    (_picker(order=lambda b: (b[0] * b[1], b[1])), "ties with \\(1024, 512\\).*take the larger block_q"),
+    (_picker(order=lambda b: (b[0] * b[1], -abs(b[0] - b[1]), b[0])), "case 'head_dim 128, float32, v6e'.*ties"),
+    (_picker(order=lambda b: (b[0] * b[1], b[0]), strict=True), "needs exactly the 16 MiB limit, and that fits"),
+    (_picker(order=lambda b: b), "fits too and has the larger block_q x block_k"),
+], ids=["larger block_k", "squarest", "strict <", "largest block_q first"])
+def test_budget_wrong_answers_fail_with_their_hint(wrong, message):
+    with pytest.raises(CheckFailed, match=message):
+        nb06.check_budget(wrong)
+
+
+def test_budget_stub_is_not_attempted_and_the_solution_passes(capsys):
+    exercise("exercise 3", lambda: _stub, nb06.check_budget)
+    assert "not attempted yet" in capsys.readouterr().out
+    nb06.check_budget(_picker(order=lambda b: (b[0] * b[1], b[0])))
+    assert capsys.readouterr().out.startswith("passed: the biggest blocks that fit")
