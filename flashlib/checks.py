@@ -25,6 +25,7 @@ __all__ = [
     "check_attention_grads",
     "check_close",
     "exercise",
+    "reset_interpreter",
     "tolerance",
 ]
 
@@ -180,14 +181,28 @@ def check_attention_grads(
     return results
 
 
+def reset_interpreter() -> None:
+    """Clear TPU interpret mode's simulated memory. jax 0.7.2 (Colab's) keeps it after a kernel that raised, and
+    every later interpreted kernel in the process then fails ("Revisited block"); newer versions reset it."""
+    from jax.experimental.pallas import tpu as pltpu  # noqa: PLC0415 - only when a kernel may have failed
+
+    reset = getattr(pltpu, "reset_tpu_interpret_mode_state", None)
+    if reset is not None:
+        reset()
+
+
 def exercise(name: str, attempt: Callable[[], Any], checker: Callable[[Any], object]) -> None:
     """Run an exercise: ``attempt()`` produces the reader's answer, ``checker(answer)`` prints passed or raises.
 
     A stub that still raises ``NotImplementedError`` — when ``attempt()`` calls it, or when the checker does
     (``attempt`` may return the reader's function itself, as for :mod:`flashlib.exercises`) — is reported as
-    not attempted (no traceback), so a notebook with unsolved exercises still runs top to bottom.
+    not attempted (no traceback), so a notebook with unsolved exercises still runs top to bottom. Any other
+    error leaves TPU interpret mode clean for the next kernel (:func:`reset_interpreter`) and propagates.
     """
     try:
         checker(attempt())
     except NotImplementedError:
         print(f"{name}: not attempted yet — fill in the stub above, then run this cell again")
+    except Exception:
+        reset_interpreter()
+        raise

@@ -35,7 +35,7 @@ def hints_source(module: str, name: str) -> str:
     found = puzzle(module, name)
     return (f"<!-- hints: {module}.{name} -->\n"
             f"**Stuck on {found.label}?** Open one hint at a time; the last block is the solution "
-            f"(`{name}.hint(n)` prints the same in a cell).\n\n" + found.hint_markdown())
+            f"(`flashlib.exercises.{module}.{name}.hint(n)` prints the same in a cell).\n\n" + found.hint_markdown())
 
 
 def hint_cells(nb: dict) -> list[tuple[int, str, str]]:

@@ -14,7 +14,8 @@ a reader who skips a puzzle still runs the rest of the notebook on a working ver
 code raises itself (a ``TypeError``, a Mosaic error) propagate with their traceback: that is what they debug.
 
 The hints are drawn in the notebook as collapsed markdown by ``notebooks/make_hint_cells.py`` from this one
-source (a test checks they are current); ``puzzle.hint(level)`` prints the same text in a cell.
+source (a test checks they are current); ``puzzle.hint(level)`` prints the same text in a cell. After any
+failure TPU interpret mode is reset (:func:`flashlib.checks.reset_interpreter`), so the next kernel runs clean.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from flashlib.checks import CheckFailed
+from flashlib.checks import CheckFailed, reset_interpreter
 
 __all__ = ["Puzzle"]
 
@@ -58,10 +59,14 @@ class Puzzle:
                   "(fill in the stub, then run it and this cell again)")
             return self.solution
         except CheckFailed as failure:
+            reset_interpreter()
             print(failure)
             print(f"{self.label}: not passed yet — the rest of this notebook uses flashlib's version until "
                   "yours passes (the hints are below the puzzle)")
             return self.solution
+        except Exception:
+            reset_interpreter()  # a kernel that raised must not break the notebook's next one (jax 0.7.2)
+            raise
         print(f"{self.label}: solved — the rest of this notebook runs your version")
         return answer
 
