@@ -30,7 +30,7 @@ import flashlib
 from flashlib import masks, reference
 
 SEARCH = settings(max_examples=100, derandomize=False, deadline=None)  # the float64 views: cheap
-COMPILED = settings(max_examples=20, derandomize=False, deadline=None)  # each example compiles a program
+COMPILED = settings(max_examples=40, derandomize=False, deadline=None)  # each example compiles a program
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -131,14 +131,19 @@ def test_oracle_is_the_contract(case):
     np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)
 
 
-VARIANT_IMPLS = ("reference", "blockwise")
+VARIANT_IMPLS = ("reference", "blockwise", "xla")
+XLA_FEATURES = {"window", "segment_ids"}  # and GQA; not softcap, sinks, a value head_dim of its own
 
 
 def _impl_options(impl, data):
-    if impl == "reference":
+    if impl in ("reference", "xla"):
         return {}
     return {"block_q": data.draw(st.integers(1, 5), label="block_q"), "block_k": data.draw(st.integers(1, 5),
                                                                                             label="block_k")}
+
+
+def _supported(impl, q, k, v, given_) -> bool:
+    return impl != "xla" or (set(given_) <= XLA_FEATURES and v.shape[-1] == q.shape[-1])
 
 
 @COMPILED
@@ -146,6 +151,8 @@ def _impl_options(impl, data):
 def test_impls_in_float32_match_the_oracle(case, impl, data):
     q, k, v, variants = case
     given_ = _given(variants)
+    if not _supported(impl, q, k, v, given_):
+        impl = "reference"
     jax_variants = dict(given_)
     if "segment_ids" in given_:
         jax_variants["segment_ids"] = tuple(jnp.asarray(ids, jnp.int32) for ids in given_["segment_ids"])
@@ -198,8 +205,10 @@ def test_impl_gradients_match_the_oracle(case, impl, data):
     """Gradients of the JAX implementations (f32; the reference by autodiff, blockwise by its custom VJP),
     sinks included, against the float64 oracle's."""
     q, k, v, variants = case
-    options = _impl_options(impl, data)
     given_ = _given(variants)
+    if not _supported(impl, q, k, v, given_):
+        impl = "reference"
+    options = _impl_options(impl, data)
     jax_variants = dict(given_)
     if "segment_ids" in given_:
         jax_variants["segment_ids"] = tuple(jnp.asarray(ids, jnp.int32) for ids in given_["segment_ids"])
@@ -307,15 +316,18 @@ def test_bad_variants_name_the_argument(kwargs, message):
         flashlib.attention(q, k, v, impl="reference", **kwargs)
 
 
-@pytest.mark.parametrize("impl", ["pallas", "xla"])
-@pytest.mark.parametrize("kwargs, feature", [
-    ({}, "grouped-query attention"),
-    ({"window": (2, 0)}, "a sliding window"),
-    ({"softcap": 5.0}, "logit soft-capping"),
+@pytest.mark.parametrize("impl, kwargs, feature", [
+    ("pallas", {}, "grouped-query attention"),
+    ("pallas", {"window": (2, 0)}, "a sliding window"),
+    ("pallas", {"segment_ids": (np.zeros((2, 5), int), np.zeros((2, 7), int))}, "packed sequences"),
+    ("xla", {"softcap": 5.0}, "logit soft-capping"),
+    ("xla", {"sinks": np.zeros(4, np.float32)}, "attention sinks"),
+    ("xla", {"dv": 3}, "a value head_dim different"),
 ])
 def test_an_impl_without_a_variant_says_which_impl_has_it(impl, kwargs, feature):
-    q, k, v = _qkv(kv_heads=4 if kwargs else 2)
-    with pytest.raises(ValueError, match=rf"impl='{impl}' does not support {feature} .*\(yet\); use impl='reference' or "
+    dv = kwargs.pop("dv", 8)
+    q, k, v = _qkv(kv_heads=4 if kwargs or impl == "xla" else 2, dv=dv)
+    with pytest.raises(ValueError, match=rf"impl='{impl}' does not support {feature}.*\(yet\); use impl='reference' or "
                                          "'blockwise'"):
         flashlib.attention(q, k, v, impl=impl, **kwargs)
 
