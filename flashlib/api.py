@@ -1,6 +1,10 @@
 """The contract every implementation shares, the registry behind ``impl=``, and ``attention()`` itself.
 
-``q [batch, heads, q_len, head_dim]``, ``k, v [batch, heads, kv_len, head_dim]`` → ``out`` like ``q``.
+``q [batch, heads, q_len, head_dim]``, ``k [batch, kv_heads, kv_len, head_dim]``, ``v [batch, kv_heads, kv_len,
+v_head_dim]`` → ``out [batch, heads, q_len, v_head_dim]``; ``kv_heads`` divides ``heads`` (GQA/MQA) and the
+variants (window, softcap, segment ids, sinks) have the one meaning :mod:`flashlib.masks` gives them. An
+implementation declares which variants it supports (``features``); asking one for a variant it lacks is a
+``ValueError`` naming the implementations that have it.
 Validation happens once, here, so an implementation can assume well-formed input and a reader gets a
 message naming the argument and the fix instead of a stack trace from deep inside a kernel.
 
@@ -20,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flashlib import env
+from flashlib.masks import FEATURES, check_window
 
 __all__ = [
     "LAYOUTS",
@@ -32,6 +37,7 @@ __all__ = [
     "implementations",
     "register",
     "validate_inputs",
+    "validate_variants",
 ]
 
 SUPPORTED_DTYPES: tuple[str, ...] = ("float32", "bfloat16")
@@ -53,6 +59,19 @@ class AttentionShape:
     kv_len: int
     head_dim: int
     dtype: str
+    kv_heads: int | None = None  # None: the same as heads
+    v_head_dim: int | None = None  # None: the same as head_dim
+
+    def __post_init__(self) -> None:
+        if self.kv_heads is None:
+            object.__setattr__(self, "kv_heads", self.heads)
+        if self.v_head_dim is None:
+            object.__setattr__(self, "v_head_dim", self.head_dim)
+
+    @property
+    def group(self) -> int:
+        """Query heads per kv head (1 for multi-head attention, ``heads`` for multi-query attention)."""
+        return self.heads // self.kv_heads
 
 
 @dataclass(frozen=True)
@@ -63,7 +82,9 @@ class Implementation:
     options a caller may pass; ``resolve_options`` (if any) checks their values against the validated shape
     and returns what ``fn`` receives instead (defaults filled in, resolved once, before ``fn`` is traced);
     ``native_on`` lists the backends where it is a compiled, first-class choice, and ``auto_priority``
-    orders those candidates for ``impl="auto"``.
+    orders those candidates for ``impl="auto"``; ``features`` names the variants of :data:`~flashlib.masks.FEATURES`
+    it supports (``fn`` then accepts ``window=``, ``softcap=``, ``segment_ids=``, ``sinks=`` as keywords, and
+    receives only those a caller set).
     """
 
     name: str
@@ -73,6 +94,7 @@ class Implementation:
     resolve_options: OptionResolver | None = None
     native_on: tuple[str, ...] = ()
     auto_priority: int = 0
+    features: frozenset[str] = frozenset()
 
 
 _REGISTRY: dict[str, Implementation] = {}
@@ -86,8 +108,12 @@ def register(
     resolve_options: OptionResolver | None = None,
     native_on: tuple[str, ...] = (),
     auto_priority: int = 0,
+    features: tuple[str, ...] = (),
 ) -> Callable[[Callable[..., jax.Array]], Callable[..., jax.Array]]:
     """Decorator: register ``fn`` as ``impl=name``. Re-registering a name replaces it (handy in notebooks)."""
+    unknown = sorted(set(features) - set(FEATURES))
+    if unknown:
+        raise ValueError(f"unknown feature(s) {unknown}; the variants are {', '.join(FEATURES)}")
 
     def decorate(fn: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
         _REGISTRY[name] = Implementation(
@@ -98,6 +124,7 @@ def register(
             resolve_options=resolve_options,
             native_on=tuple(native_on),
             auto_priority=auto_priority,
+            features=frozenset(features),
         )
         return fn
 
@@ -109,18 +136,34 @@ def implementations() -> dict[str, str]:
     return {name: impl.description for name, impl in _REGISTRY.items()}
 
 
-def get_implementation(impl: str = "auto") -> Implementation:
-    """Resolve a name (or ``"auto"``: the best native implementation for the current backend)."""
+def get_implementation(impl: str = "auto", features: frozenset[str] | set[str] = frozenset()) -> Implementation:
+    """Resolve a name (or ``"auto"``: the best native implementation for the current backend that supports
+    every variant in ``features``; with none native, the best registered one that does)."""
     if impl == "auto":
         here = env.backend()
-        native = [i for i in _REGISTRY.values() if here in i.native_on]
-        if not native:
+        able = [i for i in _REGISTRY.values() if set(features) <= i.features]
+        native = [i for i in able if here in i.native_on]
+        if not native and not features:
             raise RuntimeError(f"no implementation is registered as native on backend {here!r}")
-        return max(native, key=lambda i: i.auto_priority)
+        if not (native or able):
+            raise ValueError(f"no implementation supports {_describe(features)} together")
+        return max(native or able, key=lambda i: i.auto_priority)
     if impl not in _REGISTRY:
         valid = ", ".join(repr(n) for n in ["auto", *_REGISTRY])
         raise ValueError(f"impl={impl!r} is not a registered implementation; choose one of {valid}")
-    return _REGISTRY[impl]
+    chosen = _REGISTRY[impl]
+    missing = set(features) - chosen.features
+    if missing:
+        able = [repr(i.name) for i in _REGISTRY.values() if set(features) <= i.features]
+        raise ValueError(
+            f"impl={impl!r} does not support {_describe(missing)} (yet); "
+            + (f"use impl={' or '.join(able)}" if able else "no implementation supports this combination")
+        )
+    return chosen
+
+
+def _describe(features) -> str:
+    return " or ".join(FEATURES[f] for f in sorted(features))
 
 
 def check_layout(layout: Any) -> str:
@@ -156,23 +199,78 @@ def validate_inputs(q: Any, k: Any, v: Any, *, scale: float | None = None, layou
     order = (0, 1, 2, 3) if layout == "bhsd" else _SWAP_SEQ_AND_HEADS  # the user's axes in [b, h, s, d] order
     (b, h, q_len, d), (bk, hk, kv_len, dk), (bv, hv, v_len, dv) = (tuple(x.shape[i] for i in order) for x in (q, k, v))
     heads_axis, seq_axis = (1, 2) if layout == "bhsd" else (2, 1)
-    for axis, index, qs, ks, vs in (("batch", 0, b, bk, bv), ("heads", heads_axis, h, hk, hv)):
-        if not qs == ks == vs:
-            raise ValueError(
-                f"q, k and v must have the same number of {axis} (axis {index}), got q {qs}, k {ks}, v {vs}"
-                + ("; repeat k and v along the heads axis for grouped-query attention" if axis == "heads" else "")
-                + (f"; if your arrays are {LAYOUTS['bshd']}, pass layout='bshd'"
-                   if layout == "bhsd" and axis == "heads" else "")
-            )
+    if not b == bk == bv:
+        raise ValueError(f"q, k and v must have the same number of batch (axis 0), got q {b}, k {bk}, v {bv}")
+    bshd_hint = f"; if your arrays are {LAYOUTS['bshd']}, pass layout='bshd'" if layout == "bhsd" else ""
+    if hk != hv:
+        raise ValueError(f"k and v must have the same number of heads (axis {heads_axis}), got k {hk}, v {hv}"
+                         + bshd_hint)
+    if hk < 1 or h % hk:
+        raise ValueError(
+            f"k and v's heads (axis {heads_axis}) must divide q's for grouped-query attention, got q {h}, k and v "
+            f"{hk}; query head i reads kv head i // (q heads / kv heads)" + bshd_hint)
     if kv_len != v_len:
         raise ValueError(f"k and v must have the same sequence length (axis {seq_axis}), got k {kv_len}, v {v_len}")
-    if not d == dk == dv:
-        raise ValueError(f"q, k and v must have the same head_dim (axis 3), got q {d}, k {dk}, v {dv}")
-    if min(q_len, kv_len, d) < 1:
-        raise ValueError(f"empty input: q_len {q_len}, kv_len {kv_len}, head_dim {d}; every size must be >= 1")
+    if d != dk:
+        raise ValueError(f"q and k must have the same head_dim (axis 3), got q {d}, k {dk} (v's may differ)")
+    if min(q_len, kv_len, d, dv) < 1:
+        raise ValueError(f"empty input: q_len {q_len}, kv_len {kv_len}, head_dim {d}, v head_dim {dv}; "
+                         "every size must be >= 1")
     if scale is not None and not (isinstance(scale, (int, float)) and np.isfinite(scale) and scale > 0):
         raise ValueError(f"scale must be a positive finite number or None (1/sqrt(head_dim)), got {scale!r}")
-    return AttentionShape(b, h, q_len, kv_len, d, np.dtype(q.dtype).name)
+    return AttentionShape(b, h, q_len, kv_len, d, np.dtype(q.dtype).name, kv_heads=hk, v_head_dim=dv)
+
+
+def validate_variants(
+    shape: AttentionShape,
+    *,
+    window: Any = None,
+    softcap: Any = None,
+    segment_ids: Any = None,
+    sinks: Any = None,
+) -> tuple[dict[str, Any], frozenset[str]]:
+    """Check the variant options against ``shape``; return ``(options to pass, features the call uses)``.
+
+    Only options that were set are returned (``None`` means "not used"), checked and normalised: ``window``
+    as a ``(left, right)`` tuple, ``softcap`` a float, ``segment_ids`` a pair of int32 arrays, ``sinks`` an
+    array of ``heads`` floats.
+    """
+    given: dict[str, Any] = {}
+    if window is not None:
+        given["window"] = check_window(window)
+    if softcap is not None:
+        if isinstance(softcap, bool) or not (isinstance(softcap, (int, float, np.floating, np.integer))
+                                             and np.isfinite(softcap) and softcap > 0):
+            raise ValueError(f"softcap must be a positive finite number (Gemma-2 uses 50.0), got {softcap!r}")
+        given["softcap"] = float(softcap)
+    if segment_ids is not None:
+        if not (isinstance(segment_ids, (tuple, list)) and len(segment_ids) == 2):
+            raise ValueError("segment_ids must be a pair (q_segments [batch, q_len], kv_segments [batch, kv_len]) "
+                             f"of int arrays, got {type(segment_ids).__name__}")
+        pair = []
+        for name, ids, axis, length in (("q_segments", segment_ids[0], "q_len", shape.q_len),
+                                        ("kv_segments", segment_ids[1], "kv_len", shape.kv_len)):
+            if not hasattr(ids, "shape") or tuple(ids.shape) != (shape.batch, length):
+                got = tuple(ids.shape) if hasattr(ids, "shape") else type(ids).__name__
+                raise ValueError(f"segment_ids' {name} must have shape [batch, {axis}] = {(shape.batch, length)}, "
+                                 f"got {got}")
+            if np.dtype(ids.dtype).kind not in "iu":
+                raise ValueError(f"segment_ids' {name} must hold integers, got dtype {np.dtype(ids.dtype).name}")
+            pair.append(jnp.asarray(ids, jnp.int32))
+        given["segment_ids"] = (pair[0], pair[1])
+    if sinks is not None:
+        if not hasattr(sinks, "shape") or tuple(sinks.shape) != (shape.heads,):
+            got = tuple(sinks.shape) if hasattr(sinks, "shape") else type(sinks).__name__
+            raise ValueError(f"sinks must be an array of one logit per query head, shape ({shape.heads},), got {got}")
+        if np.dtype(sinks.dtype).kind != "f":
+            raise ValueError(f"sinks must be floating point, got dtype {np.dtype(sinks.dtype).name}")
+        given["sinks"] = jnp.asarray(sinks)
+    used = set(given)
+    if shape.kv_heads != shape.heads:
+        used.add("gqa")
+    if shape.v_head_dim != shape.head_dim:
+        used.add("value_head_dim")
+    return given, frozenset(used)
 
 
 def check_positive_ints(shape: AttentionShape, *, causal: bool, scale: float | None,
@@ -192,6 +290,10 @@ def attention(
     *,
     causal: bool = False,
     scale: float | None = None,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    segment_ids: tuple[jax.Array, jax.Array] | None = None,
+    sinks: jax.Array | None = None,
     layout: str = "bhsd",
     impl: str = "auto",
     **options: Any,
@@ -200,12 +302,19 @@ def attention(
 
     Args:
       q: queries ``[batch, heads, q_len, head_dim]``, float32 or bfloat16.
-      k, v: keys and values ``[batch, heads, kv_len, head_dim]``, same dtype; ``kv_len`` may differ from
-        ``q_len``.
+      k, v: keys ``[batch, kv_heads, kv_len, head_dim]`` and values ``[batch, kv_heads, kv_len, v_head_dim]``,
+        same dtype; ``kv_len`` may differ from ``q_len``, ``kv_heads`` must divide ``heads`` (query head ``h``
+        reads kv head ``h // (heads // kv_heads)``: grouped-query attention, multi-query with one kv head).
       causal: mask future keys. With ``q_len != kv_len`` the mask is bottom-right aligned: query ``i``
         sees keys ``j <= i + kv_len - q_len`` (the KV-cache convention of FlashAttention >= 2.1). A query
         that sees no key at all gets an output row of zeros.
       scale: multiplies the scores; default ``1 / sqrt(head_dim)``.
+      window: ``(left, right)``: query ``i`` sees keys ``i + offset - left <= j <= i + offset + right`` with
+        ``offset = kv_len - q_len`` (``None`` on a side: unbounded). See :mod:`flashlib.masks`.
+      softcap: scores become ``softcap * tanh(s / softcap)`` before the softmax.
+      segment_ids: ``(q_segments [batch, q_len], kv_segments [batch, kv_len])`` int arrays; queries see only
+        keys of their own segment (packed sequences).
+      sinks: ``[heads]`` logits that join each row's softmax denominator and carry no value.
       layout: the axis order of ``q``, ``k``, ``v`` and the output: ``"bhsd"`` (the default, as above) or
         ``"bshd"`` — ``[batch, seq, heads, head_dim]``, FlashAttention's and ``jax.nn.dot_product_attention``'s.
         Passing bshd arrays without it computes attention over the wrong axis (or fails on the head count).
@@ -213,10 +322,12 @@ def attention(
       **options: implementation-specific, e.g. ``block_q=``/``block_k=`` for ``"blockwise"``.
 
     Returns:
-      ``out`` with ``q``'s dtype, ``[batch, heads, q_len, head_dim]`` (in ``layout``).
+      ``out`` with ``q``'s dtype, ``[batch, heads, q_len, v_head_dim]`` (in ``layout``).
     """
     shape = validate_inputs(q, k, v, scale=scale, layout=layout)
-    chosen = get_implementation(impl)
+    variants, features = validate_variants(shape, window=window, softcap=softcap, segment_ids=segment_ids,
+                                           sinks=sinks)
+    chosen = get_implementation(impl, features)
     unknown = sorted(set(options) - set(chosen.options))
     if unknown:
         accepted = ", ".join(chosen.options) or "none"
@@ -226,5 +337,5 @@ def attention(
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     if layout == "bshd":
         q, k, v = (x.transpose(_SWAP_SEQ_AND_HEADS) for x in (q, k, v))
-    out = chosen.fn(q, k, v, causal=bool(causal), scale=scale, **options)  # [b, h, q_len, d]
+    out = chosen.fn(q, k, v, causal=bool(causal), scale=scale, **variants, **options)  # [b, h, q_len, dv]
     return out.transpose(_SWAP_SEQ_AND_HEADS) if layout == "bshd" else out

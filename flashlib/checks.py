@@ -83,22 +83,26 @@ class AttentionCheck:
 
 
 def check_attention(
-    out, q, k, v, *, causal: bool = False, scale: float | None = None, name: str = "attention", quiet: bool = False
+    out, q, k, v, *, causal: bool = False, scale: float | None = None, name: str = "attention", quiet: bool = False,
+    **variants,
 ) -> AttentionCheck:
     """Check an attention output against the float64 oracle with FlashAttention's 2x-naive rule.
 
-    Raises :class:`CheckFailed` naming the worst element when the output has the wrong shape or dtype,
-    contains NaN/inf, or is off by more than ``2 * naive_error + floor(dtype)``.
+    ``variants`` (``window``, ``softcap``, ``segment_ids``, ``sinks``) go to the oracle and the naive
+    implementation alike. Raises :class:`CheckFailed` naming the worst element when the output has the wrong
+    shape or dtype, contains NaN/inf, or is off by more than ``2 * naive_error + floor(dtype)``.
     """
     out_np = np.asarray(out)
-    if out_np.shape != tuple(q.shape):
-        raise CheckFailed(f"failed: {name} — output shape {out_np.shape}, expected q's shape {tuple(q.shape)}")
+    want_shape = tuple(q.shape[:-1]) + (v.shape[-1],)
+    if out_np.shape != want_shape:
+        raise CheckFailed(f"failed: {name} — output shape {out_np.shape}, expected {want_shape} (q's, with v's "
+                          "head_dim)")
     if out_np.dtype != np.dtype(q.dtype):
         raise CheckFailed(f"failed: {name} — output dtype {out_np.dtype}, expected q's dtype {np.dtype(q.dtype)}")
     if not np.isfinite(out_np.astype(np.float64)).all():
         raise CheckFailed(f"failed: {name} — output contains NaN or inf")
-    expected = attention_oracle(q, k, v, causal=causal, scale=scale)
-    naive = np.asarray(attention_naive(q, k, v, causal=causal, scale=scale), dtype=np.float64)
+    expected = attention_oracle(q, k, v, causal=causal, scale=scale, **variants)
+    naive = np.asarray(attention_naive(q, k, v, causal=causal, scale=scale, **variants), dtype=np.float64)
     naive_error = float(np.max(np.abs(naive - expected), initial=0.0))
     err = np.abs(out_np.astype(np.float64) - expected)
     error = float(np.max(err, initial=0.0))
@@ -114,11 +118,15 @@ def check_attention(
     return AttentionCheck(error=error, naive_error=naive_error, allowed=allowed)
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "scale"))
-def _naive_grads(q, k, v, do, causal: bool, scale: float | None) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """``(dq, dk, dv)`` by autodiff through the naive implementation, in the inputs' dtype (one compiled
-    program: much faster to build than the op-by-op dispatch of an eager VJP)."""
-    _, vjp = jax.vjp(lambda q, k, v: attention_naive(q, k, v, causal=causal, scale=scale), q, k, v)
+@functools.partial(jax.jit, static_argnames=("causal", "scale", "window", "softcap"))
+def _naive_grads(q, k, v, do, segment_ids, sinks, causal: bool, scale: float | None, window, softcap):
+    """``(dq, dk, dv[, dsinks])`` by autodiff through the naive implementation, in the inputs' dtype (one
+    compiled program: much faster to build than the op-by-op dispatch of an eager VJP)."""
+    fixed = dict(causal=causal, scale=scale, window=window, softcap=softcap, segment_ids=segment_ids)
+    if sinks is None:
+        _, vjp = jax.vjp(lambda q, k, v: attention_naive(q, k, v, **fixed), q, k, v)
+    else:
+        _, vjp = jax.vjp(lambda q, k, v, sinks: attention_naive(q, k, v, sinks=sinks, **fixed), q, k, v, sinks)
     return vjp(do)
 
 
@@ -133,6 +141,10 @@ def check_attention_grads(
     scale: float | None = None,
     name: str = "attention gradients",
     quiet: bool = False,
+    window=None,
+    softcap: float | None = None,
+    segment_ids=None,
+    sinks=None,
 ) -> dict[str, AttentionCheck]:
     """Check ``grads = (dq, dk, dv)``, the VJP of attention at ``(q, k, v)`` for the output cotangent ``do``,
     against the float64 oracle (:func:`~flashlib.reference.attention_vjp_oracle`) with FlashAttention's rule:
@@ -143,17 +155,26 @@ def check_attention_grads(
     gradient that is exactly 0 in float64 (``dk`` with a single key: ``dS = P (dP - D) = 0``) is computed
     as a difference of terms as large as the other gradients, so one rounding of those is the fair floor.
 
+    With ``sinks`` given, ``grads`` has a fourth member, ``dsinks`` (like ``sinks``).
+
     Raises :class:`CheckFailed` naming the gradient and its worst element when one has the wrong shape or
     dtype, contains NaN/inf, or is off by more than ``2 * naive_error + floor``. Returns the numbers per
-    gradient, ``{"dq": AttentionCheck, "dk": ..., "dv": ...}``.
+    gradient, ``{"dq": AttentionCheck, "dk": ..., "dv": ...[, "dsinks": ...]}``.
     """
-    if len(grads) != 3:
-        raise CheckFailed(f"failed: {name} — expected three gradients (dq, dk, dv), got {len(grads)}")
-    expected = attention_vjp_oracle(q, k, v, do, causal=causal, scale=scale)
-    naive = [np.asarray(g, dtype=np.float64) for g in _naive_grads(q, k, v, do, causal=bool(causal), scale=scale)]
+    labels, primals = ("dq", "dk", "dv"), (q, k, v)
+    if sinks is not None:
+        labels, primals = (*labels, "dsinks"), (*primals, sinks)
+    if len(grads) != len(labels):
+        raise CheckFailed(f"failed: {name} — expected {len(labels)} gradients ({', '.join(labels)}), got {len(grads)}")
+    variants = dict(window=window, softcap=softcap, segment_ids=segment_ids, sinks=sinks)
+    expected = attention_vjp_oracle(q, k, v, do, causal=causal, scale=scale,
+                                    **{key: value for key, value in variants.items() if value is not None})
+    naive = [np.asarray(g, dtype=np.float64)
+             for g in _naive_grads(q, k, v, do, segment_ids, sinks, causal=bool(causal), scale=scale,
+                                   window=None if window is None else tuple(window), softcap=softcap)]
     magnitude = max(1.0, *(float(np.max(np.abs(g), initial=0.0)) for g in expected))
     results = {}
-    for label, got, primal, want, naive_grad in zip(("dq", "dk", "dv"), grads, (q, k, v), expected, naive, strict=True):
+    for label, got, primal, want, naive_grad in zip(labels, grads, primals, expected, naive, strict=True):
         got_np = np.asarray(got)
         if got_np.shape != tuple(primal.shape) or got_np.dtype != np.dtype(primal.dtype):
             raise CheckFailed(
@@ -171,7 +192,8 @@ def check_attention_grads(
         if error > allowed:
             where = tuple(int(i) for i in np.unravel_index(np.argmax(err), err.shape))
             raise CheckFailed(
-                f"failed: {name} — {label} max error {error:.3g} at [b, h, seq, d] = {where} exceeds the allowed "
+                f"failed: {name} — {label} max error {error:.3g} at {'[h]' if label == 'dsinks' else '[b, h, seq, d]'} "
+                f"= {where} exceeds the allowed "
                 f"{allowed:.3g} (2 x naive {np.dtype(primal.dtype).name} error {naive_error:.3g} + floor {floor:.3g})"
             )
         results[label] = AttentionCheck(error=error, naive_error=naive_error, allowed=allowed)

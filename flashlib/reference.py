@@ -24,6 +24,7 @@ import numpy as np
 
 from flashlib.api import register
 from flashlib.geometry import causal_visible  # the rule itself; re-exported for the notebooks
+from flashlib.masks import FEATURES, Window, element_visible, segments_visible
 
 __all__ = [
     "SoftmaxState",
@@ -40,6 +41,7 @@ __all__ = [
     "softmax_stable",
     "state_from_scores",
     "state_output",
+    "variant_mask",
 ]
 
 
@@ -149,80 +151,151 @@ def state_output(state: SoftmaxState) -> jax.Array:
 # ---------------------------------------------------------------------------------------------------
 
 
-@register("reference", description="naive softmax attention: materialises the full [q_len, kv_len] score matrix")
+def variant_mask(q_len: int, kv_len: int, *, causal: bool = False, window: Window | None = None,
+                 segment_ids: tuple[jax.Array, jax.Array] | None = None) -> jax.Array | None:
+    """Boolean mask, True where a query may attend a key: ``[q_len, kv_len]``, or ``[batch, 1, 1, q_len,
+    kv_len]`` with segment ids (it broadcasts against scores ``[batch, kv_heads, group, q_len, kv_len]``);
+    ``None`` when nothing is masked."""
+    rows, cols = jnp.arange(q_len)[:, None], jnp.arange(kv_len)[None, :]  # [q_len, 1], [1, kv_len]
+    by_position = element_visible(rows, cols, q_len=q_len, kv_len=kv_len, causal=causal, window=window)
+    mask = None if by_position is True else jnp.broadcast_to(by_position, (q_len, kv_len))
+    if segment_ids is not None:
+        same = segments_visible(jnp.asarray(segment_ids[0]), jnp.asarray(segment_ids[1]))[:, None, None]
+        mask = same if mask is None else mask & same  # [b, 1, 1, q, k]
+    return mask
+
+
+@register("reference", description="naive softmax attention: materialises the full [q_len, kv_len] score matrix",
+          features=tuple(FEATURES))
 def attention_naive(
-    q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False, scale: float | None = None
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    window: Window | None = None,
+    softcap: float | None = None,
+    segment_ids: tuple[jax.Array, jax.Array] | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Stage 1: build the full score matrix, softmax it, multiply by V. Memory is O(q_len * kv_len).
 
-    Inputs in bf16 are multiplied on the MXU with f32 accumulation; the softmax runs in f32.
+    Inputs in bf16 are multiplied on the MXU with f32 accumulation; the softmax runs in f32. The query heads
+    of a group share their kv head by a reshape (no copy of K or V); a sink joins each row as one more state
+    to merge: ``m = sink, l = 1, acc = 0`` (a logit with no value).
     """
-    scale = default_scale(q.shape[-1]) if scale is None else scale
-    s = jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32) * scale  # [b, h, q, k]
-    mask = causal_mask(q.shape[2], k.shape[2]) if causal else None
-    state = state_from_scores(s, v.astype(jnp.float32), mask)
-    return state_output(state).astype(q.dtype)  # [b, h, q, d]
+    b, heads, q_len, d = q.shape
+    kv_heads, kv_len = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    scale = default_scale(d) if scale is None else scale
+    qg = q.reshape(b, kv_heads, group, q_len, d)  # [b, kvh, g, q, d]
+    s = jnp.einsum("bngqd,bnkd->bngqk", qg, k, preferred_element_type=jnp.float32) * scale  # [b, kvh, g, q, k]
+    if softcap is not None:
+        s = softcap * jnp.tanh(s / softcap)
+    mask = variant_mask(q_len, kv_len, causal=causal, window=window, segment_ids=segment_ids)
+    state = state_from_scores(s, v.astype(jnp.float32)[:, :, None], mask)  # acc [b, kvh, g, q, dv]
+    if sinks is not None:
+        sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, kv_heads, group, 1), state.m.shape)
+        state = merge_states(state, SoftmaxState(m=sink, l=jnp.ones_like(sink), acc=jnp.zeros_like(state.acc)))
+    return state_output(state).reshape(b, heads, q_len, v.shape[-1]).astype(q.dtype)  # [b, h, q, dv]
 
 
-def _oracle_scores(q, k, causal: bool, scale: float | None) -> np.ndarray:
+# ---------------------------------------------------------------------------------------------------
+# The float64 oracle (NumPy, independent of JAX)
+# ---------------------------------------------------------------------------------------------------
+
+
+class _OracleScores(NamedTuple):
+    s: np.ndarray  # [b, h, q, k] the scores the softmax sees: scaled, capped, -inf where masked
+    capped: np.ndarray | None  # tanh(raw / softcap) where softcap is set (its derivative needs it)
+    k: np.ndarray  # [b, h, k, d] keys, repeated to q's heads
+    v: np.ndarray  # [b, h, k, dv] values, repeated to q's heads
+    sinks: np.ndarray | None  # [1, h, 1] the sink logits
+
+
+def _oracle_scores(q, k, v, causal: bool, scale: float | None, window=None, softcap=None, segment_ids=None,
+                   sinks=None) -> _OracleScores:
     q = np.asarray(q, dtype=np.float64)
-    k = np.asarray(k, dtype=np.float64)
+    group = q.shape[1] // np.shape(k)[1]
+    k = np.repeat(np.asarray(k, dtype=np.float64), group, axis=1)  # [b, h, k, d]
+    v = np.repeat(np.asarray(v, dtype=np.float64), group, axis=1)  # [b, h, k, dv]
     scale = default_scale(q.shape[-1]) if scale is None else scale
     s = np.einsum("bhqd,bhkd->bhqk", q, k) * scale
-    if causal:
-        q_len, kv_len = q.shape[2], k.shape[2]
-        visible = causal_visible(np.arange(q_len)[:, None], np.arange(kv_len)[None, :], q_len=q_len, kv_len=kv_len)
-        s = np.where(visible, s, -np.inf)
-    return s
+    capped = None
+    if softcap is not None:
+        capped = np.tanh(s / softcap)
+        s = softcap * capped
+    q_len, kv_len = q.shape[2], k.shape[2]
+    rows, cols = np.arange(q_len)[:, None], np.arange(kv_len)[None, :]
+    visible = np.broadcast_to(element_visible(rows, cols, q_len=q_len, kv_len=kv_len, causal=causal, window=window),
+                              (q_len, kv_len))
+    if segment_ids is not None:
+        visible = visible & segments_visible(np.asarray(segment_ids[0]), np.asarray(segment_ids[1]))[:, None]
+    s = np.where(visible, s, -np.inf)
+    sink = None if sinks is None else np.asarray(sinks, dtype=np.float64)[None, :, None]
+    return _OracleScores(s, capped, k, v, sink)
 
 
-def attention_oracle(q, k, v, *, causal: bool = False, scale: float | None = None) -> np.ndarray:
-    """The float64 NumPy answer, independent of JAX: what every error in the series is measured against."""
-    s = _oracle_scores(q, k, causal, scale)  # [b, h, q, k]
-    m = s.max(axis=-1, keepdims=True)
+def _oracle_softmax(scores: _OracleScores) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(p [b, h, q, k], p_sink [b, h, q], lse [b, h, q])``: probabilities (a row that sees no key is all
+    zeros, or gives everything to its sink), the sink's share, and the log of the denominator (-inf when empty)."""
+    s = scores.s
+    m = s.max(axis=-1)  # [b, h, q]
+    if scores.sinks is not None:
+        m = np.maximum(m, scores.sinks)
     m = np.where(np.isfinite(m), m, 0.0)
-    p = np.exp(s - m)
-    l = p.sum(axis=-1, keepdims=True)  # noqa: E741
-    out = np.einsum("bhqk,bhkd->bhqd", p, np.asarray(v, dtype=np.float64))
-    return out / np.where(l == 0.0, 1.0, l)
-
-
-def logsumexp_oracle(q, k, *, causal: bool = False, scale: float | None = None) -> np.ndarray:
-    """Row log-sum-exp of the scores in float64 (``-inf`` for a row that sees no key): ``[b, h, q]``."""
-    s = _oracle_scores(q, k, causal, scale)
-    m = s.max(axis=-1)
-    m_safe = np.where(np.isfinite(m), m, 0.0)
+    p = np.exp(s - m[..., None])
+    l = p.sum(axis=-1)  # noqa: E741
+    p_sink = np.zeros_like(l) if scores.sinks is None else np.exp(scores.sinks - m)
+    l = l + p_sink  # noqa: E741
     with np.errstate(divide="ignore"):
-        return m_safe + np.log(np.exp(s - m_safe[..., None]).sum(axis=-1))
+        lse = m + np.log(l)
+    l_safe = np.where(l == 0.0, 1.0, l)
+    return p / l_safe[..., None], p_sink / l_safe, lse
 
 
-def _oracle_probabilities(q, k, causal: bool, scale: float | None) -> np.ndarray:
-    """Softmax probabilities ``[b, h, q, k]`` in float64; a row that sees no key is all zeros."""
-    s = _oracle_scores(q, k, causal, scale)
-    m = s.max(axis=-1, keepdims=True)
-    p = np.exp(s - np.where(np.isfinite(m), m, 0.0))
-    l = p.sum(axis=-1, keepdims=True)  # noqa: E741
-    return p / np.where(l == 0.0, 1.0, l)
+def attention_oracle(q, k, v, *, causal: bool = False, scale: float | None = None, **variants) -> np.ndarray:
+    """The float64 NumPy answer, independent of JAX: what every error in the series is measured against.
+    ``variants``: ``window``, ``softcap``, ``segment_ids``, ``sinks`` as :mod:`flashlib.masks` defines them."""
+    scores = _oracle_scores(q, k, v, causal, scale, **variants)
+    p, _, _ = _oracle_softmax(scores)
+    return np.einsum("bhqk,bhkd->bhqd", p, scores.v)  # [b, h, q, dv]
 
 
-def attention_vjp_oracle(
-    q, k, v, do, *, causal: bool = False, scale: float | None = None
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The gradients ``(dq, dk, dv)`` of ``sum(attention(q, k, v) * do)`` in float64 NumPy.
+def logsumexp_oracle(q, k, *, causal: bool = False, scale: float | None = None, **variants) -> np.ndarray:
+    """Row log-sum-exp of the scores in float64, sinks included (``-inf`` for a row that sees nothing): ``[b, h, q]``."""
+    v = np.zeros(np.shape(k)[:-1] + (1,))
+    return _oracle_softmax(_oracle_scores(q, k, v, causal, scale, **variants))[2]
+
+
+def attention_vjp_oracle(q, k, v, do, *, causal: bool = False, scale: float | None = None, **variants):
+    """The gradients ``(dq, dk, dv)`` of ``sum(attention(q, k, v) * do)`` in float64 NumPy, and ``dsinks``
+    as a fourth when ``sinks=`` is given.
 
     The backward pass every flash-attention kernel implements, with nothing tiled::
 
         dV = P^T dO,  dP = dO V^T,  dS = P * (dP - D) with D = rowsum(dO * O) = rowsum(P * dP),
         dQ = dS K * scale,  dK = dS^T Q * scale.
+
+    Soft-capping multiplies dS by its derivative ``1 - tanh^2(s / c)``; a group's query heads add their dK and
+    dV into their shared kv head; a sink is a key with no value, so ``dsink = -sum over rows of p_sink * D``.
     """
     scale = default_scale(np.shape(q)[-1]) if scale is None else scale
-    q, k, v, do = (np.asarray(x, dtype=np.float64) for x in (q, k, v, do))
-    p = _oracle_probabilities(q, k, causal, scale)  # [b, h, q, k]
-    out = np.einsum("bhqk,bhkd->bhqd", p, v)  # [b, h, q, d]
-    dv = np.einsum("bhqk,bhqd->bhkd", p, do)  # [b, h, k, d]
-    dp = np.einsum("bhqd,bhkd->bhqk", do, v)  # [b, h, q, k]
-    d = np.sum(do * out, axis=-1, keepdims=True)  # [b, h, q, 1]
-    ds = p * (dp - d)  # [b, h, q, k]
-    dq = np.einsum("bhqk,bhkd->bhqd", ds, k) * scale  # [b, h, q, d]
+    scores = _oracle_scores(q, k, v, causal, scale, **variants)
+    q, do = np.asarray(q, dtype=np.float64), np.asarray(do, dtype=np.float64)
+    p, p_sink, _ = _oracle_softmax(scores)  # [b, h, q, k], [b, h, q]
+    out = np.einsum("bhqk,bhkd->bhqd", p, scores.v)  # [b, h, q, dv]
+    dv = np.einsum("bhqk,bhqd->bhkd", p, do)  # [b, h, k, dv]
+    dp = np.einsum("bhqd,bhkd->bhqk", do, scores.v)  # [b, h, q, k]
+    d = np.sum(do * out, axis=-1)  # [b, h, q]
+    ds = p * (dp - d[..., None])  # [b, h, q, k]
+    if scores.capped is not None:
+        ds = ds * (1.0 - scores.capped**2)
+    dq = np.einsum("bhqk,bhkd->bhqd", ds, scores.k) * scale  # [b, h, q, d]
     dk = np.einsum("bhqk,bhqd->bhkd", ds, q) * scale  # [b, h, k, d]
-    return dq, dk, dv
+    kv_heads = np.shape(k)[1]
+    dk, dv = (x.reshape(x.shape[0], kv_heads, -1, *x.shape[2:]).sum(axis=2) for x in (dk, dv))  # group -> kv head
+    if scores.sinks is None:
+        return dq, dk, dv
+    return dq, dk, dv, -(p_sink * d).sum(axis=(0, 2))  # dsinks [h]

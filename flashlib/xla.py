@@ -2,8 +2,11 @@
 
 It is what ``impl="auto"`` uses where no hand-written kernel is native (CPU, GPU): XLA fuses it well and
 it needs no interpret mode. Two adaptations: the layout (JAX wants ``[batch, seq, heads, head_dim]``) and
-the mask (JAX's ``is_causal`` is top-left aligned, flashlib's is bottom-right, and rows that see no key
-must be exact zeros, not an average over masked keys).
+the mask (JAX's ``is_causal`` and ``local_window_size`` are top-left aligned, flashlib's are bottom-right,
+and rows that see no key must be exact zeros, not an average over masked keys). So every mask — causal,
+window, segment ids — goes in as one boolean ``mask``. Grouped-query attention is JAX's own (k and v with
+fewer heads); soft-capping, sinks and a value head_dim of its own are not in ``jax.nn.dot_product_attention``,
+and ``impl="xla"`` refuses them (``flashlib.attention`` names the implementations that have them).
 
 The layout transposes sit behind ``lax.optimization_barrier``. Without it, under ``jax.jit`` XLA folds
 them into ``jax.nn.dot_product_attention``'s bfloat16 einsums, and the CPU backend runs some of the dots
@@ -23,7 +26,7 @@ from jax import lax
 
 from flashlib import env
 from flashlib.api import register
-from flashlib.reference import causal_mask
+from flashlib.reference import variant_mask
 
 __all__ = ["xla_attention"]
 
@@ -33,14 +36,24 @@ __all__ = ["xla_attention"]
     description="jax.nn.dot_product_attention (XLA's fused attention), adapted to the contract",
     native_on=("cpu", "gpu", "tpu"),
     auto_priority=1,
+    features=("gqa", "window", "segment_ids"),
 )
 def xla_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False, scale: float | None = None
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    window: tuple[int | None, int | None] | None = None,
+    segment_ids: tuple[jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
-    """Attention through XLA. Same contract as :func:`flashlib.attention`."""
+    """Attention through XLA. Same contract as :func:`flashlib.attention` (GQA, window and segment ids too)."""
     q_len, kv_len = q.shape[2], k.shape[2]
     to_bthd = (0, 2, 1, 3)  # [b, h, t, d] <-> [b, t, h, d]
-    mask = causal_mask(q_len, kv_len)[None, None] if causal else None  # [1, 1, q, k]
+    mask = variant_mask(q_len, kv_len, causal=causal, window=window, segment_ids=segment_ids)
+    if mask is not None:
+        mask = mask[:, 0] if mask.ndim == 5 else mask[None, None]  # [b or 1, 1, q, k], as JAX broadcasts it
     if env.backend() == "cpu" and q.dtype == jnp.bfloat16:
         # XLA:CPU has no bf16 matmul units (it converts to f32 itself) and mishandles bf16 dots both ways:
         # folded into bf16 dots it accumulates in bf16 (newest jax), and the bf16 x bf16 -> f32 dots behind
@@ -51,7 +64,7 @@ def xla_attention(
         q_t, k_t, v_t = lax.optimization_barrier((q.transpose(to_bthd), k.transpose(to_bthd), v.transpose(to_bthd)))
         out_t = jax.nn.dot_product_attention(q_t, k_t, v_t, scale=scale, mask=mask)  # [b, q, h, d]
         out = lax.optimization_barrier(out_t).transpose(to_bthd)  # [b, h, q, d]
-    if causal and q_len > kv_len:
-        sees_a_key = (jnp.arange(q_len) + kv_len - q_len >= 0)[:, None]  # [q, 1]
+    if mask is not None:  # a row that sees no key is zeros, not JAX's average over its masked keys
+        sees_a_key = jnp.any(mask, axis=-1, keepdims=True)  # [b or 1, 1, q, 1]
         out = jnp.where(sees_a_key, out, jnp.zeros((), out.dtype))
     return out

@@ -79,10 +79,13 @@ def test_mismatched_batch():
         flashlib.attention(q, k[:1], v[:1])
 
 
-def test_mismatched_heads_suggests_gqa_fix():
+def test_kv_heads_must_divide_q_heads():
     q, k, v = make_qkv(heads=4)
-    with pytest.raises(ValueError, match=r"heads \(axis 1\), got q 4, k 2, v 2; repeat k and v"):
-        flashlib.attention(q, k[:, :2], v[:, :2])
+    with pytest.raises(ValueError, match=r"k and v's heads \(axis 1\) must divide q's for grouped-query attention, "
+                                         r"got q 4, k and v 3"):
+        flashlib.attention(q, k[:, :3], v[:, :3])
+    with pytest.raises(ValueError, match=r"k and v must have the same number of heads \(axis 1\), got k 2, v 4"):
+        flashlib.attention(q, k[:, :2], v)
 
 
 def test_mismatched_kv_lengths():
@@ -93,7 +96,7 @@ def test_mismatched_kv_lengths():
 
 def test_mismatched_head_dim():
     q, k, v = make_qkv()
-    with pytest.raises(ValueError, match=r"same head_dim \(axis 3\), got q 32, k 16, v 32"):
+    with pytest.raises(ValueError, match=r"q and k must have the same head_dim \(axis 3\), got q 32, k 16"):
         flashlib.attention(q, k[..., :16], v)
 
 

@@ -116,6 +116,8 @@ def test_grad_memory_grows_linearly_not_quadratically():
     assert tiled[1] < naive[1] / 8
 
     def scan_autodiff(q, k, v):  # the same forward, without the custom VJP
-        return blockwise._forward(q, k, v, causal=False, scale=0.125, block_q=128, block_k=128)[0]
+        static = blockwise._Static(causal=False, scale=0.125, block_q=128, block_k=128, return_lse=False,
+                                   window=None, softcap=None)
+        return blockwise._forward(q, k, v, None, None, static)[0]
 
     assert tiled[1] < _grad_temp_bytes(scan_autodiff, lengths[1]) / 4

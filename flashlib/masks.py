@@ -1,0 +1,88 @@
+"""The attention variants real models run, as one contract: which key each query sees, and what else joins
+its softmax. Every implementation gives these options one meaning; this module writes the element-level rules
+once (the block-level geometry of the causal mask is :mod:`flashlib.geometry`).
+
+Bottom-right alignment throughout: with ``offset = kv_len - q_len``, query ``i`` lines up with key ``i +
+offset`` (the last query with the last key, the KV-cache convention of FlashAttention >= 2.1).
+
+* **causal** — query ``i`` sees keys ``j <= i + offset``.
+* **window** ``(left, right)`` — query ``i`` sees keys ``i + offset - left <= j <= i + offset + right``; either
+  side may be ``None`` (unbounded). ``window=(w, 0)`` with ``causal=True`` is local causal attention over the
+  last ``w + 1`` keys (Mistral, Gemma-2's local layers).
+* **segment_ids** ``(q_segments [batch, q_len], kv_segments [batch, kv_len])`` — a query sees only keys of its
+  own segment (packed sequences).
+* **softcap** ``c`` — scores become ``c * tanh(s / c)`` before the mask and softmax (Gemma-2).
+* **sinks** ``[heads]`` — one extra logit per head that joins every row's softmax denominator and carries no
+  value (gpt-oss): a row can put weight on "nothing".
+* **GQA / MQA** — ``k, v`` have ``kv_heads`` dividing q's ``heads``; query head ``h`` reads kv head
+  ``h // (heads // kv_heads)``. **Value head_dim** may differ from q's and k's; the output takes v's.
+
+All combine with each other, with ``causal`` and ``scale``, at any lengths. A row that sees no key returns
+zeros (with sinks too: the sink carries no value).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from flashlib.geometry import causal_visible
+
+__all__ = ["FEATURES", "Window", "check_window", "element_visible", "segments_visible", "window_visible"]
+
+Window = tuple[int | None, int | None]
+
+# The variants an implementation may declare it supports (``register(..., features=...)``), in words.
+FEATURES: dict[str, str] = {
+    "gqa": "grouped-query attention (k and v with fewer heads than q)",
+    "value_head_dim": "a value head_dim different from q's and k's",
+    "window": "a sliding window (window=)",
+    "softcap": "logit soft-capping (softcap=)",
+    "segment_ids": "packed sequences (segment_ids=)",
+    "sinks": "attention sinks (sinks=)",
+}
+
+
+def check_window(window: Any) -> Window | None:
+    """``window`` as ``(left, right)`` with ints >= 0 or ``None`` per side, or a ``ValueError`` naming the fix."""
+    if window is None:
+        return None
+    if not (isinstance(window, (tuple, list)) and len(window) == 2):
+        raise ValueError(f"window must be a pair (left, right) of key counts (or None per side), got {window!r}; "
+                         "e.g. window=(127, 0) with causal=True for local attention over the last 128 keys")
+    sides = []
+    for side, value in zip(("left", "right"), window, strict=True):
+        if value is None:
+            sides.append(None)
+            continue
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"window's {side} side must be an int >= 0 or None (unbounded), got {value!r}")
+        sides.append(int(value))
+    return (sides[0], sides[1])
+
+
+def window_visible(q_pos, kv_pos, *, q_len: int, kv_len: int, window: Window):
+    """True where key ``kv_pos`` lies inside query ``q_pos``'s window (ints, NumPy or JAX arrays)."""
+    left, right = window
+    centre = q_pos + (kv_len - q_len)
+    inside = True
+    if left is not None:
+        inside = inside & (kv_pos >= centre - left)
+    if right is not None:
+        inside = inside & (kv_pos <= centre + right)
+    return inside
+
+
+def segments_visible(q_segments, kv_segments):
+    """``[..., q_len, kv_len]``: True where the query's segment id equals the key's (broadcast over batch)."""
+    return q_segments[..., :, None] == kv_segments[..., None, :]
+
+
+def element_visible(q_pos, kv_pos, *, q_len: int, kv_len: int, causal: bool, window: Window | None = None):
+    """True where query ``q_pos`` may attend key ``kv_pos`` by position (causal and window; segments are data,
+    see :func:`segments_visible`). ``True`` (a Python bool) when nothing masks by position."""
+    visible = causal_visible(q_pos, kv_pos, q_len=q_len, kv_len=kv_len) if causal else True
+    if window is not None:
+        visible = visible & window_visible(q_pos, kv_pos, q_len=q_len, kv_len=kv_len, window=window)
+    return visible
