@@ -10,7 +10,8 @@ Modules, one concept each, in layers (a module imports only from its layer or be
 ``tests/test_architecture.py`` checks it, README.md draws it):
 
 * ground — ``api`` (the contract, the registry), ``tiling`` (the (8, 128) rule, padding, kernel names),
-  ``geometry`` (the causal mask at element, block and grid grain), ``hardware`` (TPU facts with sources),
+  ``geometry`` (the causal mask at element, block and grid grain), ``masks`` (the variants: window, segment
+  ids, the features an implementation declares), ``hardware`` (TPU facts with sources),
   ``env``, ``data``, ``release``, ``tpu_compile``, ``provenance``, ``progress``, ``llo_dump``, ``viz``;
 * algorithms — ``reference`` (naive, float64 oracle), ``blockwise`` (+ ``blockwise_backward``), ``xla``,
   ``checks``, ``cost``;
