@@ -262,7 +262,7 @@ def validate_variants(
         if not hasattr(sinks, "shape") or tuple(sinks.shape) != (shape.heads,):
             got = tuple(sinks.shape) if hasattr(sinks, "shape") else type(sinks).__name__
             raise ValueError(f"sinks must be an array of one logit per query head, shape ({shape.heads},), got {got}")
-        if np.dtype(sinks.dtype).kind != "f":
+        if not jnp.issubdtype(sinks.dtype, jnp.floating):  # bfloat16's NumPy kind is "V", not "f"
             raise ValueError(f"sinks must be floating point, got dtype {np.dtype(sinks.dtype).name}")
         given["sinks"] = jnp.asarray(sinks)
     used = set(given)

@@ -170,8 +170,9 @@ def _forward(q, k, v, segment_ids, sinks, static: _Static) -> tuple[jax.Array, j
     q_pos = jnp.arange(num_q_blocks * block_q).reshape(num_q_blocks, block_q, 1)  # [nq, bq, 1]
     q_seg = kv_seg = None
     if segment_ids is not None:
-        q_seg = pad_to_multiple(segment_ids[0], 1, block_q).reshape(batch, num_q_blocks, block_q, 1)  # [b, nq, bq, 1]
-        kv_seg = jnp.moveaxis(pad_to_multiple(segment_ids[1], 1, block_k).reshape(batch, -1, block_k), 1, 0)  # [nk, b, bk]
+        q_seg = pad_to_multiple(segment_ids[0], 1, block_q).reshape(batch, num_q_blocks, block_q, 1)  # [b,nq,bq,1]
+        kv_seg = pad_to_multiple(segment_ids[1], 1, block_k).reshape(batch, -1, block_k)  # [b, nk, bk]
+        kv_seg = jnp.moveaxis(kv_seg, 1, 0)  # [nk, b, bk]
 
     def visit_kv_block(state: SoftmaxState, inputs) -> tuple[SoftmaxState, None]:
         j, k_blk, v_blk, kv_seg_blk = inputs  # k_blk [b, hk, bk, d], v_blk [b, hk, bk, dv], kv_seg_blk [b, bk]

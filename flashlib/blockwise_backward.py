@@ -92,7 +92,8 @@ def attention_backward(
     q_seg = kv_seg = None
     if segment_ids is not None:
         q_seg = segment_ids[0][:, :, None]  # [b, q, 1]
-        kv_seg = jnp.moveaxis(pad_to_multiple(segment_ids[1], 1, block_k).reshape(batch, -1, block_k), 1, 0)  # [nk, b, bk]
+        kv_seg = pad_to_multiple(segment_ids[1], 1, block_k).reshape(batch, -1, block_k)  # [b, nk, bk]
+        kv_seg = jnp.moveaxis(kv_seg, 1, 0)  # [nk, b, bk]
 
     def visit_kv_block(dq_acc: jax.Array, inputs) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         j, k_blk, v_blk, kv_seg_blk = inputs  # k_blk [b, hk, bk, d], v_blk [b, hk, bk, dv], kv_seg_blk [b, bk]

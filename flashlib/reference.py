@@ -264,7 +264,8 @@ def attention_oracle(q, k, v, *, causal: bool = False, scale: float | None = Non
 
 
 def logsumexp_oracle(q, k, *, causal: bool = False, scale: float | None = None, **variants) -> np.ndarray:
-    """Row log-sum-exp of the scores in float64, sinks included (``-inf`` for a row that sees nothing): ``[b, h, q]``."""
+    """Row log-sum-exp ``[b, h, q]`` of the scores in float64, sinks included (``-inf`` for a row that sees
+    nothing)."""
     v = np.zeros(np.shape(k)[:-1] + (1,))
     return _oracle_softmax(_oracle_scores(q, k, v, causal, scale, **variants))[2]
 

@@ -345,3 +345,33 @@ def test_bshd_layout_with_gqa_and_value_head_dim():
     np.testing.assert_allclose(out.transpose(0, 2, 1, 3),
                                reference.attention_oracle(q, k, v, softcap=4.0), atol=1e-5)
     assert out.shape == (2, 5, 4, 3)
+
+
+@COMPILED
+@given(cases(max_len=12), st.sampled_from(("blockwise", "xla")), st.data())
+def test_bfloat16_by_flashattentions_rule(case, impl, data):
+    """bfloat16 inputs, outputs and gradients (sinks' too), by FlashAttention's rule: at most twice the error
+    of the naive implementation in bfloat16 against the float64 oracle (:mod:`flashlib.checks`)."""
+    q, k, v, variants = case
+    given_ = _given(variants)
+    if not _supported(impl, q, k, v, given_):
+        impl = "blockwise"
+    jax_variants = dict(given_)
+    if "segment_ids" in given_:
+        jax_variants["segment_ids"] = tuple(jnp.asarray(ids, jnp.int32) for ids in given_["segment_ids"])
+    sinks = None if "sinks" not in given_ else jnp.asarray(given_["sinks"], jnp.bfloat16)
+    jax_variants.pop("sinks", None)
+    q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
+    do = jnp.asarray(np.random.default_rng(2).normal(size=q.shape[:-1] + (v.shape[-1],)), jnp.bfloat16)
+    options = _impl_options(impl, data)
+
+    def fn(q, k, v, *maybe_sinks):
+        extra = {"sinks": maybe_sinks[0]} if maybe_sinks else {}
+        return flashlib.attention(q, k, v, causal=variants["causal"], impl=impl, **jax_variants, **extra, **options)
+
+    primals = (q, k, v) if sinks is None else (q, k, v, sinks)
+    out, vjp = jax.vjp(fn, *primals)
+    checks = flashlib.checks
+    checks.check_attention(out, q, k, v, causal=variants["causal"], quiet=True, sinks=sinks, **jax_variants)
+    checks.check_attention_grads(vjp(do), q, k, v, do, causal=variants["causal"], sinks=sinks, quiet=True,
+                                 **jax_variants)
