@@ -26,7 +26,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (  # bottom up
     )),
     ("algorithms: the oracle, the pure-JAX stages, the checks, the cost model", (
         "flashlib.reference", "flashlib.blockwise_backward", "flashlib.blockwise", "flashlib.xla", "flashlib.checks",
-        "flashlib.cost",
+        "flashlib.cost", "flashlib.decode",
     )),
     ("the Pallas backend: tuned-table reader, block sizes, options, kernels", (
         "flashlib.kernels", "flashlib.kernels.*",
