@@ -153,15 +153,15 @@ def state_output(state: SoftmaxState) -> jax.Array:
 
 def variant_mask(q_len: int, kv_len: int, *, causal: bool = False, window: Window | None = None,
                  segment_ids: tuple[jax.Array, jax.Array] | None = None) -> jax.Array | None:
-    """Boolean mask, True where a query may attend a key: ``[q_len, kv_len]``, or ``[batch, 1, 1, q_len,
-    kv_len]`` with segment ids (it broadcasts against scores ``[batch, kv_heads, group, q_len, kv_len]``);
-    ``None`` when nothing is masked."""
+    """Boolean mask, True where a query may attend a key: ``[q_len, kv_len]``, or ``[batch, 1, q_len, kv_len]``
+    with segment ids (it broadcasts against scores ``[batch, heads, q_len, kv_len]``); ``None`` when nothing
+    is masked."""
     rows, cols = jnp.arange(q_len)[:, None], jnp.arange(kv_len)[None, :]  # [q_len, 1], [1, kv_len]
     by_position = element_visible(rows, cols, q_len=q_len, kv_len=kv_len, causal=causal, window=window)
     mask = None if by_position is True else jnp.broadcast_to(by_position, (q_len, kv_len))
     if segment_ids is not None:
-        same = segments_visible(jnp.asarray(segment_ids[0]), jnp.asarray(segment_ids[1]))[:, None, None]
-        mask = same if mask is None else mask & same  # [b, 1, 1, q, k]
+        same = segments_visible(jnp.asarray(segment_ids[0]), jnp.asarray(segment_ids[1]))[:, None]
+        mask = same if mask is None else mask & same  # [b, 1, q, k]
     return mask
 
 
@@ -181,24 +181,25 @@ def attention_naive(
 ) -> jax.Array:
     """Stage 1: build the full score matrix, softmax it, multiply by V. Memory is O(q_len * kv_len).
 
-    Inputs in bf16 are multiplied on the MXU with f32 accumulation; the softmax runs in f32. The query heads
-    of a group share their kv head by a reshape (no copy of K or V); a sink joins each row as one more state
-    to merge: ``m = sink, l = 1, acc = 0`` (a logit with no value).
+    Inputs in bf16 are multiplied on the MXU with f32 accumulation; the softmax runs in f32. With GQA the kv
+    heads are repeated to the query heads (plain, and the naive residuals keep their ``[b, h, q, k]`` shape);
+    a sink joins each row as one more state to merge: ``m = sink, l = 1, acc = 0`` (a logit with no value).
     """
     b, heads, q_len, d = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     group = heads // kv_heads
+    if group > 1:  # the reference reads each kv head once per query head (the kernels never copy them)
+        k, v = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)  # [b, h, k, d], [b, h, k, dv]
     scale = default_scale(d) if scale is None else scale
-    qg = q.reshape(b, kv_heads, group, q_len, d)  # [b, kvh, g, q, d]
-    s = jnp.einsum("bngqd,bnkd->bngqk", qg, k, preferred_element_type=jnp.float32) * scale  # [b, kvh, g, q, k]
+    s = jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32) * scale  # [b, h, q, k]
     if softcap is not None:
         s = softcap * jnp.tanh(s / softcap)
     mask = variant_mask(q_len, kv_len, causal=causal, window=window, segment_ids=segment_ids)
-    state = state_from_scores(s, v.astype(jnp.float32)[:, :, None], mask)  # acc [b, kvh, g, q, dv]
+    state = state_from_scores(s, v.astype(jnp.float32), mask)  # acc [b, h, q, dv]
     if sinks is not None:
-        sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, kv_heads, group, 1), state.m.shape)
+        sink = jnp.broadcast_to(sinks.astype(jnp.float32)[None, :, None], state.m.shape)  # [b, h, q]
         state = merge_states(state, SoftmaxState(m=sink, l=jnp.ones_like(sink), acc=jnp.zeros_like(state.acc)))
-    return state_output(state).reshape(b, heads, q_len, v.shape[-1]).astype(q.dtype)  # [b, h, q, dv]
+    return state_output(state).astype(q.dtype)  # [b, h, q, dv]
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -53,7 +53,7 @@ def xla_attention(
     to_bthd = (0, 2, 1, 3)  # [b, h, t, d] <-> [b, t, h, d]
     mask = variant_mask(q_len, kv_len, causal=causal, window=window, segment_ids=segment_ids)
     if mask is not None:
-        mask = mask[:, 0] if mask.ndim == 5 else mask[None, None]  # [b or 1, 1, q, k], as JAX broadcasts it
+        mask = mask if mask.ndim == 4 else mask[None, None]  # [b or 1, 1, q, k], as JAX broadcasts it
     if env.backend() == "cpu" and q.dtype == jnp.bfloat16:
         # XLA:CPU has no bf16 matmul units (it converts to f32 itself) and mishandles bf16 dots both ways:
         # folded into bf16 dots it accumulates in bf16 (newest jax), and the bf16 x bf16 -> f32 dots behind

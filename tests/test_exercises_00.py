@@ -4,9 +4,13 @@ solution (it passes)."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
+import jax.numpy as jnp
 import pytest
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 from flashlib.checks import CheckFailed, exercise
 from flashlib.exercises import start_here as nb00
@@ -14,11 +18,11 @@ from flashlib.exercises import start_here as nb00
 # -- exercise 1: scaled_add, a Pallas kernel --------------------------------------------------------------------
 
 
-def _scaled_add(x, y, alpha, interpret, *, grid=None, body=None):
+def _scaled_add(x, y, alpha, interpret, *, grid=None, body=None, index_map=lambda i, j: (i, j)):
     def kernel(x_ref, y_ref, o_ref):
         o_ref[...] = (body or (lambda a, b: alpha * a + b))(x_ref[...], y_ref[...])
 
-    tile = pl.BlockSpec((8, 128), lambda i, j: (i, j))
+    tile = pl.BlockSpec((8, 128), index_map)
     return pl.pallas_call(kernel, grid=grid or (x.shape[0] // 8, x.shape[1] // 128), in_specs=[tile, tile],
                           out_specs=tile, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=interpret)(x, y)
 
@@ -51,6 +55,39 @@ def scaled_add_old_signature(x, y, alpha):  # the notebook's first stub had no `
     return _scaled_add(x, y, alpha, None)
 
 
+def scaled_add_plain_interpret(x, y, alpha, *, interpret=None):  # "works on my laptop": interpret=True baked in
+    return _scaled_add(x, y, alpha, True)
+
+
+def scaled_add_scaling_outside(x, y, alpha, *, interpret=None):  # the notebook's `add` kernel, fed alpha * x
+    return _scaled_add(alpha * x, y, alpha, interpret, body=lambda a, b: a + b)
+
+
+def scaled_add_first_column_only(x, y, alpha, *, interpret=None):  # right grid, index map stuck on column block 0
+    return _scaled_add(x, y, alpha, interpret, index_map=lambda i, j: (i, 0))
+
+
+def scaled_add_alpha_in_smem(x, y, alpha, *, interpret=None):  # another valid style: alpha as an SMEM input
+    def kernel(alpha_ref, x_ref, y_ref, o_ref):
+        o_ref[...] = alpha_ref[0] * x_ref[...] + y_ref[...]
+
+    tile = pl.BlockSpec((8, 128), lambda i, j: (i, j))
+    return pl.pallas_call(kernel, grid=(x.shape[0] // 8, x.shape[1] // 128),
+                          in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), tile, tile], out_specs=tile,
+                          out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                          interpret=interpret)(jnp.full((1,), alpha, jnp.float32), x, y)
+
+
+@functools.partial(jax.jit, static_argnames=("alpha", "interpret"))
+def scaled_add_jitted_rows(x, y, alpha, *, interpret=None):  # another valid style: jitted, full-width row blocks
+    def kernel(x_ref, y_ref, o_ref):
+        o_ref[...] = alpha * x_ref[...] + y_ref[...]
+
+    rows = pl.BlockSpec((8, x.shape[1]), lambda i: (i, 0))
+    return pl.pallas_call(kernel, grid=(x.shape[0] // 8,), in_specs=[rows, rows], out_specs=rows,
+                          out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=interpret)(x, y)
+
+
 def _stub(*args, **kwargs):
     raise NotImplementedError
 
@@ -62,19 +99,24 @@ def test_scaled_add_stub_is_not_attempted(capsys):
 
 @pytest.mark.parametrize("wrong, message", [
     (scaled_add_notebook_grid, "case 'a \\(16, 384\\) array.*a block past the array's edge"),
-    (scaled_add_too_few_columns, "case 'the notebook's .*never written: the grid must cover the whole array"),
+    (scaled_add_too_few_columns, "case 'the notebook's .*never written: the grid \\(4, 1\\) must cover the whole"),
     (scaled_add_both_scaled, "y is scaled too"),
     (scaled_add_fixed_alpha, "case 'alpha = -2.*alpha is fixed at 0.5"),
     (scaled_add_without_pallas, "no Pallas kernel runs"),
     (scaled_add_old_signature, "takes no `interpret` argument: keep the stub's signature"),
+    (scaled_add_plain_interpret, "ignores its `interpret` argument: pass interpret=interpret to pl.pallas_call"),
+    (scaled_add_scaling_outside, "arithmetic outside the kernel \\(mul on whole arrays"),
+    (scaled_add_first_column_only, "although the grid \\(4, 2\\) has a step per tile: the output's index map sends "
+     "several steps to one tile"),
 ])
 def test_scaled_add_wrong_answers_fail_with_their_hint(wrong, message):
     with pytest.raises(CheckFailed, match=message):
         nb00.check_scaled_add(wrong)
 
 
-def test_scaled_add_solution_passes(capsys):
-    nb00.check_scaled_add(scaled_add_solution)
+@pytest.mark.parametrize("answer", [scaled_add_solution, scaled_add_alpha_in_smem, scaled_add_jitted_rows])
+def test_scaled_add_solution_passes(answer, capsys):
+    nb00.check_scaled_add(answer)
     assert capsys.readouterr().out.startswith("passed: scaled_add")
 
 

@@ -37,10 +37,25 @@ def test_attention_stub_falls_back_to_the_solution(capsys):
     assert "not attempted yet" in capsys.readouterr().out
 
 
+def attention_scaled_by_keys(q, k, v):  # sqrt(M): k.shape[0] instead of the head dimension
+    return jax.nn.softmax(q @ k.T / jnp.sqrt(k.shape[0]), axis=-1) @ v
+
+
+def attention_times_sqrt_d(q, k, v):  # multiplies by sqrt(d)
+    return jax.nn.softmax(q @ k.T * jnp.sqrt(q.shape[-1]), axis=-1) @ v
+
+
+def attention_fixed_d(q, k, v):  # d = 4 of the notebook's example, hard-coded
+    return jax.nn.softmax(q @ k.T / 2.0, axis=-1) @ v
+
+
 @pytest.mark.parametrize("wrong, message", [
     (attention_unscaled, "case '8 queries, 12 keys, d = 4' — the scores are not scaled"),
     (attention_over_queries, "the softmax runs over the queries"),
     (attention_returns_p, "output shape \\(8, 12\\), expected \\(8, 4\\)"),
+    (attention_scaled_by_keys, "case '8 queries, 12 keys, d = 4' — the scale uses k.shape\\[0\\], the number of keys"),
+    (attention_times_sqrt_d, "the scores are multiplied by sqrt\\(d\\)"),
+    (attention_fixed_d, "case '5 queries, 3 keys, d = 16.* a fixed 1/sqrt\\(4\\), but here d = 16"),
 ])
 def test_attention_wrong_answers_fail_with_their_hint(wrong, message):
     with pytest.raises(CheckFailed, match=message):
@@ -50,6 +65,15 @@ def test_attention_wrong_answers_fail_with_their_hint(wrong, message):
 def test_attention_solution_passes(capsys):
     assert nb01.ATTENTION.use(nb01.attention_solution) is nb01.attention_solution
     assert "passed: attention" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("valid", [
+    lambda q, k, v: (v.T @ jax.nn.softmax(k @ q.T / jnp.sqrt(q.shape[-1]), axis=0)).T,  # the transposed products
+    lambda q, k, v: jnp.einsum("nm,md->nd", jax.nn.softmax(jnp.einsum("nd,md->nm", q, k) * q.shape[-1] ** -0.5), v),
+])
+def test_attention_other_styles_pass(valid, capsys):
+    nb01.check_attention_three_lines(valid)
+    assert capsys.readouterr().out.startswith("passed: attention")
 
 
 # -- puzzle 2: the stable softmax -------------------------------------------------------------------------------
@@ -89,7 +113,13 @@ def test_stable_softmax_stub_falls_back_to_the_solution(capsys):
     assert "not attempted yet" in capsys.readouterr().out
 
 
+def softmax_masks_with_a_big_number(x, axis=-1):  # -inf -> -1e9: a row of only -inf comes out uniform
+    return softmax_unguarded(jnp.where(jnp.isneginf(x), -1e9, x), axis)
+
+
 @pytest.mark.parametrize("wrong, message", [
+    (softmax_masks_with_a_big_number, "case 'a row where every entry is -inf.*' — a row of only -inf got nonzero "
+                                      "weights: it must be all zeros"),
     (softmax_naive, "case 'large logits, \\[10, 50, 100\\].*exp overflowed to inf: subtract the maximum"),
     (softmax_no_keepdims, "case 'ordinary logits, a 6 x 6 matrix' — sums along axis -1 .*keepdims=True"),
     (softmax_global_max, "case 'rows on very different scales.*not the maximum of the whole array"),
@@ -106,6 +136,21 @@ def test_stable_softmax_wrong_answers_fail_with_their_hint(wrong, message):
 def test_stable_softmax_solution_passes(capsys):
     assert nb01.STABLE_SOFTMAX.use(nb01.stable_softmax_solution) is nb01.stable_softmax_solution
     assert "passed: stable_softmax" in capsys.readouterr().out
+
+
+def softmax_logsumexp(x, axis=-1):  # exp(x - logsumexp(x)): as stable, rounds x - lse at |x| ~ 1000
+    lse = jax.scipy.special.logsumexp(x, axis=axis, keepdims=True)
+    return jnp.where(jnp.isneginf(lse), 0.0, jnp.exp(x - lse)).astype(x.dtype)
+
+
+def softmax_nan_to_num(x, axis=-1):  # the textbook stable softmax, its NaN row zeroed afterwards
+    return jnp.nan_to_num(softmax_unguarded(x, axis))
+
+
+@pytest.mark.parametrize("valid", [softmax_logsumexp, softmax_nan_to_num])
+def test_stable_softmax_other_styles_pass(valid, capsys):
+    nb01.check_stable_softmax(valid)
+    assert capsys.readouterr().out.startswith("passed: stable_softmax")
 
 
 def test_the_all_masked_row_contract_is_flashlibs():
@@ -137,18 +182,34 @@ def test_my_attention_stub_is_not_attempted(capsys):
     assert "not attempted yet" in capsys.readouterr().out
 
 
+def my_attention_jax_softmax(q, k, v):  # right numbers, but the exercise is plain jnp
+    return jax.nn.softmax(q @ k.T / jnp.sqrt(q.shape[-1]), axis=-1) @ v
+
+
+def my_attention_global_max(q, k, v):  # subtracts the maximum of the whole score matrix
+    s = q @ k.T / jnp.sqrt(q.shape[-1])
+    e = jnp.exp(s - jnp.max(s))
+    return e / jnp.sum(e, axis=-1, keepdims=True) @ v
+
+
 @pytest.mark.parametrize("wrong, message", [
     (my_attention_naive_softmax, "case '8 queries, 12 keys, d = 4, q x 100' — the output has NaN or inf"),
     (my_attention_scaled_by_d, "case '8 queries, 12 keys, d = 4' — the scores are divided by d"),
     (attention_unscaled, "the scores are not scaled"),
+    (my_attention_jax_softmax, "right numbers, but through jax.nn.softmax: the exercise is plain jnp"),
+    (my_attention_global_max, "case '8 queries, 12 keys, d = 4, q x 100' — the output has NaN or inf.*each row's"),
 ])
 def test_my_attention_wrong_answers_fail_with_their_hint(wrong, message):
     with pytest.raises(CheckFailed, match=message):
         nb01.check_my_attention(wrong)
 
 
-def test_my_attention_solution_passes(capsys):
-    nb01.check_my_attention(my_attention_solution)
+@pytest.mark.parametrize("valid", [
+    my_attention_solution,
+    lambda q, k, v: softmax_logsumexp(q @ k.T / jnp.sqrt(q.shape[-1])) @ v,  # error ~1e-5 at scores in the hundreds
+])
+def test_my_attention_solution_passes(valid, capsys):
+    nb01.check_my_attention(valid)
     assert capsys.readouterr().out.startswith("passed: my_attention")
 
 
@@ -165,6 +226,9 @@ def test_score_matrix_bytes_stub_is_not_attempted(capsys):
     (lambda n, dtype: n * n, "case 'a single float32 score' — .*the number of entries"),
     (lambda n, dtype: jnp.array(n) ** 2 * np.dtype(dtype).itemsize, "case 'N = 65536, .*overflows 32-bit"),
     (lambda n, dtype: n * np.dtype(dtype).itemsize, "case 'N = 1024, float32' — .*that is one row"),
+    (lambda n, dtype: 8 * n * n * np.dtype(dtype).itemsize, "case 'a single float32 score' — .*that is bits"),
+    (lambda n, dtype: n * n * np.dtype(dtype).itemsize / 2**30, "case 'a single float32 score' — .*that is in GiB"),
+    (lambda n, dtype: 2 * n * n, "case 'a single float32 score' — .*float32 has 4 bytes per entry, not 2"),
 ])
 def test_score_matrix_bytes_wrong_answers_fail_with_their_hint(wrong, message):
     with pytest.raises(CheckFailed, match=message):
@@ -200,6 +264,11 @@ def test_previous_token_head_wrong_answers_fail_with_their_hint(heads):
         nb01.check_previous_token_head(following, data)
     with pytest.raises(CheckFailed, match="count(s)? from 0"):
         nb01.check_previous_token_head((best[0] + 1, best[1] + 1), data)
+    with pytest.raises(CheckFailed, match="one past the best head in layer: layers and heads count from 0"):
+        nb01.check_previous_token_head((best[0] + 1, best[1]), data)
+    if best[0] != best[1]:
+        with pytest.raises(CheckFailed, match="is the best head's \\(head, layer\\): answer \\(layer, head\\)"):
+            nb01.check_previous_token_head((best[1], best[0]), data)
     other = (0, 0) if best != (0, 0) else (0, 1)
     with pytest.raises(CheckFailed, match="one head does better"):
         nb01.check_previous_token_head(other, data)

@@ -19,17 +19,22 @@ def _stub(*args, **kwargs):
 # -- puzzle 1: tiled S = Q K^T / sqrt(d) ---------------------------------------------------------------------------
 
 
-def _scores(q, k, block_q, block_k, matmul, *, scale=True, last_tile=True, swap=False):
+def _scores(q, k, block_q, block_k, matmul, *, scale=True, last_tile=True, swap=False, assign=True, clamp=False):
     """Tiled scores with one mistake switched on at a time."""
     if swap:
         block_q, block_k = block_k, block_q
     s = jnp.zeros((q.shape[0], k.shape[0]))
     q_end = q.shape[0] if last_tile else q.shape[0] - q.shape[0] % block_q
     k_end = k.shape[0] if last_tile else k.shape[0] - k.shape[0] % block_k
+    factor = 1 / np.sqrt(q.shape[1]) if scale is True else scale or 1.0
     for i in range(0, q_end, block_q):
         for j in range(0, k_end, block_k):
-            s_ij = matmul(q[i : i + block_q], k[j : j + block_k].T) * (1 / np.sqrt(q.shape[1]) if scale else 1.0)
-            s = s.at[i : i + block_q, j : j + block_k].set(s_ij)
+            if clamp:  # the last tile shifted back to a full one, overlapping the tile before
+                i, j = max(0, min(i, q.shape[0] - block_q)), max(0, min(j, k.shape[0] - block_k))  # noqa: PLW2901
+            s_ij = matmul(q[i : i + block_q], k[j : j + block_k].T) * factor
+            s = s.at[i : i + block_q, j : j + block_k].set(s_ij) if assign else s
+            if not assign:
+                s.at[i : i + block_q, j : j + block_k].set(s_ij)  # the new array is dropped
     return s
 
 
@@ -43,6 +48,27 @@ def scores_drop_last_tile(q, k, block_q, block_k, matmul=jnp.matmul):  # range(0
 
 def scores_swapped_blocks(q, k, block_q, block_k, matmul=jnp.matmul):  # cuts Q by block_k and K by block_q
     return _scores(q, k, block_q, block_k, matmul, swap=True)
+
+
+def scores_fixed_scale(q, k, block_q, block_k, matmul=jnp.matmul):  # the notebook's scale = 1/8 (d = 64) as a global
+    return _scores(q, k, block_q, block_k, matmul, scale=1 / 8)
+
+
+def scores_set_not_assigned(q, k, block_q, block_k, matmul=jnp.matmul):  # s.at[...].set(...) without s =
+    return _scores(q, k, block_q, block_k, matmul, assign=False)
+
+
+def scores_clamped_last_tile(q, k, block_q, block_k, matmul=jnp.matmul):  # full tiles only, the last shifted back
+    return _scores(q, k, block_q, block_k, matmul, clamp=True)
+
+
+def scores_one_tile_too_many(q, k, block_q, block_k, matmul=jnp.matmul):  # range(n // block + 1): an empty tile
+    s = jnp.zeros((q.shape[0], k.shape[0]))
+    for i in range(q.shape[0] // block_q + 1):
+        for j in range(k.shape[0] // block_k + 1):
+            rows, cols = slice(i * block_q, (i + 1) * block_q), slice(j * block_k, (j + 1) * block_k)
+            s = s.at[rows, cols].set(matmul(q[rows], k[cols].T) / np.sqrt(q.shape[1]))
+    return s
 
 
 def scores_untiled(q, k, block_q, block_k, matmul=jnp.matmul):  # right numbers, one big product
@@ -67,6 +93,10 @@ def test_tiled_scores_stub_is_not_attempted(capsys):
     (scores_swapped_blocks, "swapped block sizes"),
     (scores_untiled, "not tiled: a call multiplied \\[32, 8\\] @ \\[8, 48\\]"),
     (scores_with_at_sign, "matmul was never called"),
+    (scores_fixed_scale, "divide the blocks' — off by a constant factor 0.3536: the scale is 1 / sqrt\\(d\\)"),
+    (scores_set_not_assigned, "the result is still all zeros: x.at\\[...\\].set\\(...\\) returns a new array"),
+    (scores_clamped_last_tile, "neither length divides.* — 10 calls multiplied \\[8, 8\\] @ \\[8, 16\\], the grid has"),
+    (scores_one_tile_too_many, "the lengths divide the blocks' — .*an empty tile: the loop runs one tile past the end"),
 ])
 def test_tiled_scores_wrong_answers_fail_with_their_hint(wrong, message):
     with pytest.raises(CheckFailed, match=message):
@@ -84,17 +114,39 @@ def test_tiled_scores_solution_passes(capsys):
     assert out.startswith("passed: tiled_scores") and "solved" in out
 
 
+def scores_numpy_in_place(q, k, block_q, block_k, matmul=jnp.matmul):  # a NumPy array filled in place
+    s = np.zeros((q.shape[0], k.shape[0]), np.float32)
+    for j in range(0, k.shape[0], block_k):  # key tiles outside: the order does not matter
+        for i in range(0, q.shape[0], block_q):
+            s[i : i + block_q, j : j + block_k] = matmul(q[i : i + block_q] / np.sqrt(q.shape[1]), k[j : j + block_k].T)
+    return s
+
+
+def scores_concatenated(q, k, block_q, block_k, matmul=jnp.matmul):
+    return jnp.concatenate([jnp.concatenate([matmul(q[i : i + block_q], k[j : j + block_k].T)
+                                             for j in range(0, k.shape[0], block_k)], axis=1)
+                            for i in range(0, q.shape[0], block_q)]) / np.sqrt(q.shape[1])
+
+
+@pytest.mark.parametrize("valid", [scores_numpy_in_place, scores_concatenated])
+def test_tiled_scores_other_styles_pass(valid, capsys):
+    nb02.check_tiled_scores(valid)
+    assert capsys.readouterr().out.startswith("passed: tiled_scores")
+
+
 # -- puzzle 2: tiled O = P V -----------------------------------------------------------------------------------------
 
 
-def _pv(p, v, block_q, block_k, matmul, *, accumulate=True, last_key_tile=True, whole_rows=False):
+def _pv(p, v, block_q, block_k, matmul, *, accumulate=True, last_key_tile=True, whole_rows=False, reset=True):
     out = jnp.zeros((p.shape[0], v.shape[1]))
     k_end = p.shape[1] if last_key_tile else p.shape[1] - p.shape[1] % block_k
+    acc = jnp.zeros((block_q, v.shape[1]))
     for i in range(0, p.shape[0], block_q):
         if whole_rows:
             out = out.at[i : i + block_q].set(matmul(p[i : i + block_q], v))
             continue
-        acc = jnp.zeros((p[i : i + block_q].shape[0], v.shape[1]))
+        if reset:
+            acc = jnp.zeros((p[i : i + block_q].shape[0], v.shape[1]))
         for j in range(0, k_end, block_k):
             product = matmul(p[i : i + block_q, j : j + block_k], v[j : j + block_k])
             acc = acc + product if accumulate else product
@@ -114,6 +166,10 @@ def pv_whole_rows(p, v, block_q, block_k, matmul=jnp.matmul):  # tiles the queri
     return _pv(p, v, block_q, block_k, matmul, whole_rows=True)
 
 
+def pv_acc_never_reset(p, v, block_q, block_k, matmul=jnp.matmul):  # acc = zeros once, before the query loop
+    return _pv(p, v, block_q, block_k, matmul, reset=False)
+
+
 def test_tiled_pv_stub_is_not_attempted(capsys):
     def tiled_pv(p, v, block_q, block_k, matmul=jnp.matmul):
         raise NotImplementedError  # your code here
@@ -126,6 +182,7 @@ def test_tiled_pv_stub_is_not_attempted(capsys):
     (pv_overwrites, "only the last key tile counts.*acc \\+="),
     (pv_drop_last_key_tile, "neither length divides its block.* the last, shorter key tile is missing"),
     (pv_whole_rows, "not tiled: a call multiplied \\[16, 48\\] @ \\[48, 8\\]"),
+    (pv_acc_never_reset, "case 'the lengths divide the blocks' — acc carries over from the previous query tile"),
 ])
 def test_tiled_pv_wrong_answers_fail_with_their_hint(wrong, message):
     with pytest.raises(CheckFailed, match=message):
@@ -134,6 +191,19 @@ def test_tiled_pv_wrong_answers_fail_with_their_hint(wrong, message):
 
 def test_tiled_pv_solution_passes(capsys):
     assert nb02.TILED_PV.use(nb02.tiled_pv_solution) is nb02.tiled_pv_solution
+    assert capsys.readouterr().out.startswith("passed: tiled_pv")
+
+
+def pv_added_into_out(p, v, block_q, block_k, matmul=jnp.matmul):  # no acc: each product added into O's rows
+    out = jnp.zeros((p.shape[0], v.shape[1]))
+    for i in range(0, p.shape[0], block_q):
+        for j in range(0, p.shape[1], block_k):
+            out = out.at[i : i + block_q].add(matmul(p[i : i + block_q, j : j + block_k], v[j : j + block_k]))
+    return out
+
+
+def test_tiled_pv_other_style_passes(capsys):
+    nb02.check_tiled_pv(pv_added_into_out)
     assert capsys.readouterr().out.startswith("passed: tiled_pv")
 
 
@@ -173,6 +243,17 @@ def matmul_overwrites(a, b, block_m, block_n, block_k, matmul=jnp.matmul):  # ac
     return c
 
 
+def matmul_acc_per_row_of_tiles(a, b, block_m, block_n, block_k, matmul=jnp.matmul):  # acc reset per i, not (i, j)
+    c = jnp.zeros((a.shape[0], b.shape[1]))
+    for i in range(0, a.shape[0], block_m):
+        acc = jnp.zeros((block_m, block_n))
+        for j in range(0, b.shape[1], block_n):
+            for p in range(0, a.shape[1], block_k):
+                acc += matmul(a[i : i + block_m, p : p + block_k], b[p : p + block_k, j : j + block_n])
+            c = c.at[i : i + block_m, j : j + block_n].set(acc)
+    return c
+
+
 def test_tiled_matmul_stub_is_not_attempted(capsys):
     def my_tiled_matmul(a, b, block_m, block_n, block_k, matmul=jnp.matmul):
         raise NotImplementedError  # three loops over tiles, one accumulator
@@ -186,6 +267,7 @@ def test_tiled_matmul_stub_is_not_attempted(capsys):
     (matmul_swaps_n_and_k, "swapped block sizes"),
     (matmul_with_at_sign, "matmul was never called"),
     (matmul_overwrites, "only the last block_k slice of the shared dimension counts"),
+    (matmul_acc_per_row_of_tiles, "all differ' — acc carries over from the output tile to its left"),
 ])
 def test_tiled_matmul_wrong_answers_fail_with_their_hint(wrong, message):
     with pytest.raises(CheckFailed, match=message):
@@ -245,7 +327,8 @@ def test_block_q_wrong_answers_fail_with_their_hint(wrong, message):
         nb02.check_block_q(wrong)
 
 
-@pytest.mark.parametrize("answer", [(1024, 256), (2.0 ** 10, 256.0), (np.int64(1024), 1024 * 128 * 2 / 1024)])
+@pytest.mark.parametrize("answer", [(1024, 256), (2.0 ** 10, 256.0), (np.int64(1024), 1024 * 128 * 2 / 1024),
+                                    (jnp.int32(1024), jnp.float32(256.0)), (2 ** jnp.ceil(jnp.log2(1000.0)), 256)])
 def test_block_q_solution_passes(capsys, answer):
     nb02.check_block_q(answer)
     assert capsys.readouterr().out.startswith("passed: block_q = 1024 moves 13.2x fewer bytes")

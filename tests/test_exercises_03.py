@@ -45,18 +45,36 @@ def test_merge_ml_stub_is_not_attempted(capsys):
     assert "not attempted yet" in capsys.readouterr().out
 
 
+def merge_ml_returns_safe_m(m_a, l_a, m_b, l_b):  # hands back the safe maximum (0) for a row nobody has seen
+    m, l = merge_ml_solution(m_a, l_a, m_b, l_b)
+    return jnp.where(jnp.isfinite(m), m, 0.0), l
+
+
+def merge_ml_l_first(m_a, l_a, m_b, l_b):  # the right pair, in the wrong order
+    return merge_ml_solution(m_a, l_a, m_b, l_b)[::-1]
+
+
 @pytest.mark.parametrize("wrong, message", [
     (merge_ml_unsafe, "NaN in the result"),
     (merge_ml_no_rescale, "must be rescaled"),
     (merge_ml_first_max, "the larger of the two"),
+    (merge_ml_returns_safe_m, "case 'neither side has seen a key' — m is .*a row that has seen no key keeps m = -inf"),
+    (merge_ml_l_first, "case 'the second side has the larger maxima' — the result is \\(l, m\\): return m first"),
 ])
 def test_merge_ml_wrong_answers_fail_with_their_hint(wrong, message):
     with pytest.raises(CheckFailed, match=message):
         nb03.check_merge_ml(wrong)
 
 
-def test_merge_ml_solution_passes(capsys):
-    nb03.check_merge_ml(merge_ml_solution)
+def merge_ml_logaddexp(m_a, l_a, m_b, l_b):  # through log-sum-exps: log(0) = -inf is harmless here
+    m = jnp.maximum(m_a, m_b)
+    lse = jnp.logaddexp(m_a + jnp.log(l_a), m_b + jnp.log(l_b))
+    return m, jnp.where(jnp.isneginf(m), 0.0, jnp.exp(lse - jnp.where(jnp.isfinite(m), m, 0.0)))
+
+
+@pytest.mark.parametrize("valid", [merge_ml_solution, merge_ml_logaddexp])
+def test_merge_ml_solution_passes(valid, capsys):
+    nb03.check_merge_ml(valid)
     assert capsys.readouterr().out.startswith("passed: merge_ml")
 
 
@@ -87,18 +105,41 @@ def merge_tree_first_pair_only(states, merge=reference.merge_states):
     return merge(states[0], states[1])
 
 
+def merge_tree_returns_the_list(states, merge=reference.merge_states):  # stops with [state], not state
+    while len(states) > 1:
+        states = [merge(a, b) for a, b in zip(states[::2], states[1::2], strict=False)] + states[len(states) // 2 * 2:]
+    return states
+
+
+def merge_tree_recursion_without_merge(states, merge=reference.merge_states):  # the halves use the default
+    if len(states) == 1:
+        return states[0]
+    half = len(states) // 2
+    return merge(merge_tree_recursion_without_merge(states[:half]), merge_tree_recursion_without_merge(states[half:]))
+
+
 @pytest.mark.parametrize("wrong, message", [
     (merge_tree_left_fold, "8 states in order — the merges are 7 deep, a balanced tree of 8 is 3"),
     (merge_tree_drops_the_odd_one, "6 states in order — the output differs"),
     (merge_tree_first_pair_only, "8 states in order — the output differs"),
+    (merge_tree_returns_the_list, "8 states in order — got list: return the one SoftmaxState"),
+    (merge_tree_recursion_without_merge, "8 states in order — the merges are 1 deep.*use `merge`"),
 ])
 def test_merge_tree_wrong_answers_fail_with_their_hint(wrong, message):
     with pytest.raises(CheckFailed, match=message):
         nb03.check_merge_tree(wrong)
 
 
-def test_merge_tree_solution_passes(capsys):
-    nb03.check_merge_tree(merge_tree_solution)
+def merge_tree_recursive(states, merge=reference.merge_states):  # halves, recursively: as balanced
+    if len(states) == 1:
+        return states[0]
+    half = len(states) // 2
+    return merge(merge_tree_recursive(states[:half], merge), merge_tree_recursive(states[half:], merge))
+
+
+@pytest.mark.parametrize("valid", [merge_tree_solution, merge_tree_recursive])
+def test_merge_tree_solution_passes(valid, capsys):
+    nb03.check_merge_tree(valid)
     assert "passed: merge_tree" in capsys.readouterr().out
 
 
@@ -164,6 +205,11 @@ def update_divides_early(state, s, v):  # keeps the normalised output o = acc / 
     return SoftmaxState(new.m, new.l, reference.state_output(new))
 
 
+def update_returns_safe_m(state, s, v):  # hands back m_safe (0) for a row that has seen nothing
+    new = nb03.online_update_solution(state, s, v)
+    return SoftmaxState(_safe(new.m), new.l, new.acc)
+
+
 def test_online_update_stub_is_not_attempted(capsys):
     def online_update(state, s, v):
         raise NotImplementedError  # your code here
@@ -183,6 +229,8 @@ def test_online_update_stub_is_not_attempted(capsys):
     (update_returns_a_tuple, "case 'the first block: .*' — return SoftmaxState\\(m=..., l=..., acc=...\\)"),
     (update_keeps_old_m, "case 'the first block: .*' — m is \\[-inf -inf -inf\\], expected .* the larger of the two"),
     (update_divides_early, "case 'the first block: .*' — acc is already divided by l"),
+    (update_returns_safe_m, "case 'a row that has seen no key meets a fully masked block' — m is .*a row that has "
+                            "seen no key keeps m = -inf; the safe maximum \\(0 there\\) is only what you exponentiate"),
 ])
 def test_online_update_wrong_answers_fail_with_their_hint(wrong, message):
     with pytest.raises(CheckFailed, match=message):
@@ -198,6 +246,20 @@ def test_online_update_solution_passes(capsys):
     assert nb03.ONLINE_UPDATE.use(nb03.online_update_solution) is nb03.online_update_solution
     out = capsys.readouterr().out
     assert out.startswith("passed: online_update") and "solved" in out
+
+
+def update_where_guards(state, s, v):  # zero the factors of -inf entries instead of a safe maximum
+    m_new = jnp.maximum(state.m, s.max(axis=-1))
+    alpha = jnp.where(jnp.isneginf(state.m), 0.0, jnp.exp(state.m - m_new))
+    p = jnp.where(jnp.isneginf(s), 0.0, jnp.exp(s - m_new[:, None]))
+    return SoftmaxState(m_new, alpha * state.l + p.sum(-1), alpha[:, None] * state.acc + p @ v)
+
+
+@pytest.mark.parametrize("valid", [
+    update_where_guards, lambda state, s, v: reference.merge_states(state, reference.state_from_scores(s, v))])
+def test_online_update_other_styles_pass(valid, capsys):
+    nb03.check_online_update(valid)
+    assert capsys.readouterr().out.startswith("passed: online_update")
 
 
 # -- 03 puzzle 2: merging two states ------------------------------------------------------------------------
@@ -229,6 +291,11 @@ def merge_divides_early(a, b):  # returns the normalised output as acc
     return SoftmaxState(merged.m, merged.l, reference.state_output(merged))
 
 
+def merge_returns_safe_m(a, b):  # hands back m_safe (0) where neither side has seen a key
+    merged = nb03.merge_states_solution(a, b)
+    return SoftmaxState(_safe(merged.m), merged.l, merged.acc)
+
+
 def test_merge_states_stub_is_not_attempted(capsys):
     def merge_states(a, b):
         raise NotImplementedError  # your code here
@@ -242,6 +309,7 @@ def test_merge_states_stub_is_not_attempted(capsys):
     (merge_no_rescale_acc, "case 'the second side has the larger maxima' — acc is off: acc_a \\+ acc_b adds sums"),
     (merge_first_max, "case 'the second side has the larger maxima' — m is .* the larger of the two maxima"),
     (merge_divides_early, "case 'the second side has the larger maxima' — acc is already divided by l"),
+    (merge_returns_safe_m, "case 'neither side has seen a key' — m is .*a row that has seen no key keeps m = -inf"),
 ])
 def test_merge_states_wrong_answers_fail_with_their_hint(wrong, message):
     with pytest.raises(CheckFailed, match=message):
@@ -286,6 +354,13 @@ def reversed_scores_only(s, v, block, update=nb03.online_update_solution):  # fl
     return reversed_forward(s[::-1], v, block, update)
 
 
+def reversed_starts_at_zero(s, v, block, update=nb03.online_update_solution):  # m = 0 for "nothing seen yet"
+    state = SoftmaxState(m=jnp.zeros(1), l=jnp.zeros(1), acc=jnp.zeros((1, v.shape[1])))
+    for lo in reversed(range(0, len(s), block)):
+        state = update(state, s[None, lo:lo + block], v[lo:lo + block])
+    return reference.state_output(state)[0]
+
+
 def reversed_ignores_update(s, v, block, update=nb03.online_update_solution):  # right answer, no blocks seen
     return reversed_solution(s, v, block, nb03.online_update_solution)
 
@@ -304,6 +379,8 @@ def test_reversed_stub_is_not_attempted(capsys):
                               "expected 15, 12-14, 9-11, 6-8, 3-5, ..."),
     (reversed_scores_only, "'16 keys in blocks of 4' — the output .* is not attention over the row"),
     (reversed_ignores_update, "update was never called"),
+    (reversed_starts_at_zero, "'12 keys in blocks of 5, every score near -120' — the output is zeros: .* start from "
+                              "the empty state"),
 ])
 def test_reversed_wrong_answers_fail_with_their_hint(wrong, message):
     with pytest.raises(CheckFailed, match=message):

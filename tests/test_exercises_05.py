@@ -4,6 +4,8 @@ the message that names its mistake), and a solution (it passes). Kernels run in 
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -21,16 +23,18 @@ def _stub(*args, **kwargs):
 # -- puzzle 1: add_bias ------------------------------------------------------------------------------------------
 
 
-def _add_bias(tile_map, bias_map, grid_rows_outside=False, out_map=None):
+def _add_bias(tile_map, bias_map, grid_rows_outside=False, out_map=None, bias_block=(1, 128), grid=None,
+              broadcast=False):
     def add_bias(x, b, *, interpret=True):
         def kernel(x_ref, b_ref, o_ref):
             o_ref[...] = x_ref[...] + b_ref[...]
 
         rows, cols = x.shape[0] // 8, x.shape[1] // 128
-        return pl.pallas_call(kernel, grid=(rows, cols) if grid_rows_outside else (cols, rows),
-                              in_specs=[pl.BlockSpec((8, 128), tile_map), pl.BlockSpec((1, 128), bias_map)],
+        return pl.pallas_call(kernel, grid=grid or ((rows, cols) if grid_rows_outside else (cols, rows)),
+                              in_specs=[pl.BlockSpec((8, 128), tile_map), pl.BlockSpec(bias_block, bias_map)],
                               out_specs=pl.BlockSpec((8, 128), out_map or tile_map),
-                              out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=interpret)(x, b)
+                              out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                              interpret=interpret)(x, jnp.broadcast_to(b, x.shape) if broadcast else b)
     return add_bias
 
 
@@ -52,6 +56,15 @@ def test_add_bias_stub_falls_back_to_the_solution(capsys):
     # right numbers, rows outside: b's block is fetched again at every step
     (_add_bias(lambda i, j: (i, j), lambda i, j: (0, j), grid_rows_outside=True),
      "b's block is copied 6 times for its 3 different blocks"),
+    # b's block shaped like x's: rows 1-7 of it lie past b's single row
+    (_add_bias(lambda j, i: (i, j), lambda j, i: (0, j), bias_block=(8, 128)), "NaN in the output: a block read past "
+     "b's one row"),
+    # the grid of the notebook's [32, 512] example, hard-coded
+    (_add_bias(lambda j, i: (i, j), lambda j, i: (0, j), grid=(4, 4)), r"outside its array \(16, 384\).*: the grid is "
+     r"\(x.shape\[1\] // 128, x.shape\[0\] // 8\), from x's shape"),
+    # b broadcast to [M, N] outside the kernel, then tiled like x: right numbers, an [M, N] bias in HBM
+    (_add_bias(lambda j, i: (i, j), lambda j, i: (i, j), bias_block=(8, 128), broadcast=True),
+     r"kernel inputs of shapes \[\(16, 384\), \(16, 384\)\], expected one pallas_call taking the 2 arrays given, as"),
 ])
 def test_add_bias_wrong_answers_fail_with_their_hint(wrong, message):
     with pytest.raises(CheckFailed, match=message):
@@ -60,6 +73,21 @@ def test_add_bias_wrong_answers_fail_with_their_hint(wrong, message):
 
 def test_add_bias_solution_passes(capsys):
     assert nb05.ADD_BIAS.use(nb05.add_bias_solution) is nb05.add_bias_solution
+    assert "passed: add_bias" in capsys.readouterr().out
+
+
+def add_bias_whole_row(x, b, *, interpret=True):  # another valid style: all of b in VMEM, sliced in the kernel
+    def kernel(x_ref, b_ref, o_ref):
+        o_ref[...] = x_ref[...] + b_ref[:, pl.ds(pl.multiple_of(pl.program_id(0) * 128, 128), 128)]
+
+    tile = pl.BlockSpec((8, 128), lambda j, i: (i, j))
+    return pl.pallas_call(kernel, grid=(x.shape[1] // 128, x.shape[0] // 8),
+                          in_specs=[tile, pl.BlockSpec(b.shape, lambda j, i: (0, 0))], out_specs=tile,
+                          out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=interpret)(x, b)
+
+
+def test_add_bias_other_valid_style_passes(capsys):
+    nb05.check_add_bias(add_bias_whole_row)
     assert "passed: add_bias" in capsys.readouterr().out
 
 
@@ -103,17 +131,52 @@ def kernel_finalizing_first(x_ref, y_ref, o_ref, acc_ref):  # writes the output 
     acc_ref[...] += jnp.dot(x_ref[...], y_ref[...], preferred_element_type=jnp.float32)
 
 
-def _matmul(x_map=lambda i, j, k: (i, k), y_map=lambda i, j, k: (k, j), fixed_semantics=None, use_kernel=True):
+def _kernel(k_axis=2, last=lambda k, n: k == n - 1, f32=True):
+    def kernel(x_ref, y_ref, o_ref, acc_ref):
+        k, n = pl.program_id(k_axis), pl.num_programs(k_axis)
+
+        @pl.when(k == 0)
+        def _():
+            acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+        acc_ref[...] += jnp.dot(x_ref[...], y_ref[...], preferred_element_type=jnp.float32 if f32 else None)
+
+        @pl.when(last(k, n))
+        def _():
+            o_ref[...] = acc_ref[...]
+    return kernel
+
+
+def kernel_starting_from_the_first_product(x_ref, y_ref, o_ref, acc_ref):  # another valid style: no zeros
+    k = pl.program_id(2)
+    product = jnp.dot(x_ref[...], y_ref[...], preferred_element_type=jnp.float32)
+
+    @pl.when(k == 0)
+    def _():
+        acc_ref[...] = product
+
+    @pl.when(k > 0)
+    def _():
+        acc_ref[...] += product
+
+    @pl.when(k == pl.num_programs(2) - 1)
+    def _():
+        o_ref[...] = acc_ref[...]
+
+
+def _matmul(x_map=lambda i, j, k: (i, k), y_map=lambda i, j, k: (k, j), fixed_semantics=None, use_kernel=True,
+            params=True, out_dtype=jnp.float32, fixed_block=None, square=False):
     def matmul(x, y, *, kernel=nb05.matmul_kernel_solution, block=128, semantics=("parallel", "parallel", "arbitrary"),
                interpret=True):
-        (m, kk), n = x.shape, y.shape[1]
+        (m, kk), n, block = x.shape, y.shape[1], fixed_block or block
         return pl.pallas_call(
-            kernel if use_kernel else nb05.matmul_kernel_solution, grid=(m // block, n // block, kk // block),
+            kernel if use_kernel else nb05.matmul_kernel_solution,
+            grid=(m // block, (m if square else n) // block, kk // block),
             in_specs=[pl.BlockSpec((block, block), x_map), pl.BlockSpec((block, block), y_map)],
             out_specs=pl.BlockSpec((block, block), lambda i, j, k: (i, j)),
-            out_shape=jax.ShapeDtypeStruct((m, n), jnp.float32),
+            out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
             scratch_shapes=[pltpu.VMEM((block, block), jnp.float32)],
-            compiler_params=pltpu.CompilerParams(dimension_semantics=fixed_semantics or semantics),
+            compiler_params=pltpu.CompilerParams(dimension_semantics=fixed_semantics or semantics) if params else None,
             interpret=interpret)(x, y)
     return matmul
 
@@ -131,6 +194,11 @@ def test_tiled_matmul_stub_falls_back_to_the_solution(capsys):
     (kernel_writing_every_step, r"o_ref is stored into on 2 k step\(s\) before the last"),
     (kernel_overwriting, "only the last k step's product reached the output"),
     (kernel_finalizing_first, "the last k step's product is missing"),
+    (_kernel(last=lambda k, n: k == n), r"o_ref is never written \(NaN\), though acc_ref holds a sum: finalize must"),
+    # the notebook's grid (2, 2, 3) has its last k at 2
+    (_kernel(last=lambda k, n: k == 2), "case '1 k step.*o_ref is never written"),
+    (_kernel(k_axis=0), r"init and finalize ran on every k step .*k is pl.program_id\(2\)"),
+    (_kernel(f32=False), "jnp.dot of the two bf16 blocks returns bf16, rounded before it is added: pass prefer"),
 ])
 def test_tiled_matmul_wrong_kernels_fail_with_their_hint(kernel, message):
     with pytest.raises(CheckFailed, match=message):
@@ -142,10 +210,20 @@ def test_tiled_matmul_wrong_kernels_fail_with_their_hint(kernel, message):
     (_matmul(fixed_semantics=("parallel", "parallel", "parallel")), "k, the reduction axis, is marked 'parallel'"),
     (_matmul(fixed_semantics=("parallel", "parallel", "arbitrary")), "ignores its `semantics` argument"),
     (_matmul(use_kernel=False), "does not run the kernel it is given"),
+    (_matmul(fixed_semantics=("arbitrary", "arbitrary", "arbitrary")), "ignores its `semantics` argument"),
+    (_matmul(params=False), "ignores its `semantics` argument"),  # no compiler_params: all 'arbitrary'
+    (_matmul(out_dtype=jnp.bfloat16), "output dtype bfloat16, expected float32"),  # out_shape like x's dtype
+    (_matmul(fixed_block=128), r"grid \(4, 2, 4\), expected \(2, 1, 2\): it ignores its `block` argument"),
+    (_matmul(square=True), r"case 'grid \(1, 3, 2\).*output blocks \[\(0, 1\), \(0, 2\)\] are never written"),
 ])
 def test_tiled_matmul_wrong_wrappers_fail_with_their_hint(matmul, message):
     with pytest.raises(CheckFailed, match=message):
         nb05.check_tiled_matmul((nb05.matmul_kernel_solution, matmul))
+
+
+def test_tiled_matmul_other_valid_kernel_passes(capsys):
+    nb05.check_tiled_matmul((kernel_starting_from_the_first_product, nb05.matmul_solution))
+    assert "passed: matmul in TPU interpret mode" in capsys.readouterr().out
 
 
 def test_tiled_matmul_solution_passes(capsys):
@@ -157,14 +235,15 @@ def test_tiled_matmul_solution_passes(capsys):
 # -- exercise 1: matmul_bias -------------------------------------------------------------------------------------
 
 
-def _matmul_bias(bias_map=lambda i, j, k: (0, j), every_step=False, plain_interpret=False):
+def _matmul_bias(bias_map=lambda i, j, k: (0, j), every_step=False, plain_interpret=False, at_init=False,
+                 also_at_init=False, out_dtype=jnp.float32, square=False, broadcast=False):
     def matmul_bias(x, y, bias, *, interpret=True):
         def kernel(x_ref, y_ref, b_ref, o_ref, acc_ref):
             k = pl.program_id(2)
 
             @pl.when(k == 0)
             def _():
-                acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+                acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32) + (b_ref[...] if at_init or also_at_init else 0)
 
             acc_ref[...] += jnp.dot(x_ref[...], y_ref[...], preferred_element_type=jnp.float32)
             if every_step:
@@ -172,17 +251,19 @@ def _matmul_bias(bias_map=lambda i, j, k: (0, j), every_step=False, plain_interp
 
             @pl.when(k == pl.num_programs(2) - 1)
             def _():
-                o_ref[...] = acc_ref[...] + (0 if every_step else b_ref[...])
+                o_ref[...] = (acc_ref[...] + (0 if every_step or at_init else b_ref[...])).astype(o_ref.dtype)
 
         (m, kk), n = x.shape, y.shape[1]
         return pl.pallas_call(
-            kernel, grid=(m // 128, n // 128, kk // 128),
+            kernel, grid=(m // 128, (m if square else n) // 128, kk // 128),
             in_specs=[pl.BlockSpec((128, 128), lambda i, j, k: (i, k)),
-                      pl.BlockSpec((128, 128), lambda i, j, k: (k, j)), pl.BlockSpec((1, 128), bias_map)],
+                      pl.BlockSpec((128, 128), lambda i, j, k: (k, j)),
+                      pl.BlockSpec((128, 128) if broadcast else (1, 128), bias_map)],
             out_specs=pl.BlockSpec((128, 128), lambda i, j, k: (i, j)),
-            out_shape=jax.ShapeDtypeStruct((m, n), jnp.float32), scratch_shapes=[pltpu.VMEM((128, 128), jnp.float32)],
+            out_shape=jax.ShapeDtypeStruct((m, n), out_dtype), scratch_shapes=[pltpu.VMEM((128, 128), jnp.float32)],
             compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
-            interpret=True if plain_interpret else interpret)(x, y, bias)
+            interpret=True if plain_interpret else interpret)(x, y, jnp.broadcast_to(bias, (m, n)) if broadcast else
+                                                              bias)
     return matmul_bias
 
 
@@ -200,7 +281,13 @@ def test_matmul_bias_stub_is_not_attempted(capsys):
     (_matmul_bias(bias_map=lambda i, j, k: (i, j)), r"index map of input b_ref returned block \(1, \d\)"),
     # the same map, run in plain interpret mode whatever the caller asks: it would pass there, clamped
     (_matmul_bias(bias_map=lambda i, j, k: (i, j), plain_interpret=True), "ignores its `interpret` argument"),
-    (_matmul_bias(every_step=True), "the bias was added 2 times, once per k step"),
+    (_matmul_bias(every_step=True), "the bias was added 3 times, once per k step"),
+    (_matmul_bias(also_at_init=True), "the bias was added 2 times: add it once"),  # at init and in finalize
+    (_matmul_bias(out_dtype=jnp.bfloat16), "output dtype bfloat16, expected float32"),
+    # the bias broadcast to [M, N] outside the kernel, tiled like the output
+    (_matmul_bias(bias_map=lambda i, j, k: (i, j), broadcast=True),
+     r"kernel inputs of shapes .*\(256, 256\)\], expected .* as they are"),
+    (_matmul_bias(square=True), r"output blocks \[\(0, 1\), \(0, 2\)\] are never written \(NaN\): the grid"),
     (_bias_outside, "2 kernel inputs, expected one pallas_call taking the 3 arrays given"),
 ])
 def test_matmul_bias_wrong_answers_fail_with_their_hint(wrong, message):
@@ -208,8 +295,9 @@ def test_matmul_bias_wrong_answers_fail_with_their_hint(wrong, message):
         nb05.check_matmul_bias(wrong)
 
 
-def test_matmul_bias_solution_passes(capsys):
-    nb05.check_matmul_bias(_matmul_bias())
+@pytest.mark.parametrize("answer", [_matmul_bias(), _matmul_bias(at_init=True)])  # in finalize, or at init
+def test_matmul_bias_solution_passes(answer, capsys):
+    nb05.check_matmul_bias(answer)
     assert capsys.readouterr().out.startswith("passed: matmul_bias")
 
 
@@ -233,6 +321,14 @@ def count_copies_every_step(visits, index_map):
     return len(visits)
 
 
+def count_copies_sorting(visits, index_map):  # sorts the walk first: every walk becomes row-major
+    return count_copies_solution(sorted(visits), index_map)
+
+
+def count_copies_runs(visits, index_map):  # another valid style: runs of equal block indices
+    return len(list(itertools.groupby(index_map(*point) for point in visits)))
+
+
 def test_count_copies_stub_is_not_attempted(capsys):
     exercise("exercise 2", lambda: _stub, nb05.check_count_copies)
     assert "not attempted yet" in capsys.readouterr().out
@@ -242,25 +338,27 @@ def test_count_copies_stub_is_not_attempted(capsys):
     (count_copies_distinct, "walk 'k last', X's map — 6 copies, expected 12: .* not different blocks"),
     (count_copies_no_first, r"walk 'k last', X's map — 11 copies, expected 12: the first step copies its block too"),
     (count_copies_every_step, "walk 'k last', O's map — 12 copies, expected 4: a copy happens only when"),
+    (count_copies_sorting, "walk 'k outermost', X's map — 12 copies, expected 6: count along `visits`, in the order"),
 ])
 def test_count_copies_wrong_answers_fail_with_their_hint(wrong, message):
     with pytest.raises(CheckFailed, match=message):
         nb05.check_count_copies(wrong)
 
 
-def test_count_copies_solution_passes(capsys):
-    nb05.check_count_copies(count_copies_solution)
+@pytest.mark.parametrize("answer", [count_copies_solution, count_copies_runs])
+def test_count_copies_solution_passes(answer, capsys):
+    nb05.check_count_copies(answer)
     assert capsys.readouterr().out.startswith("passed: count_copies")
 
 
 # -- exercise 3: row_sum_fixed -----------------------------------------------------------------------------------
 
 
-def _row_sum(init=True, semantics=("parallel", "arbitrary")):
+def _row_sum(init=True, semantics=("parallel", "arbitrary"), init_axis=1):
     def row_sum_fixed(x, *, interpret=True):
         def kernel(x_ref, o_ref, acc_ref):
             if init:
-                @pl.when(pl.program_id(1) == 0)
+                @pl.when(pl.program_id(init_axis) == 0)
                 def _():
                     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
@@ -285,12 +383,31 @@ def test_row_sum_stub_is_not_attempted(capsys):
 @pytest.mark.parametrize("wrong, message", [
     (_row_sum(semantics=("parallel", "parallel")), "grid axis 1 carries the running sum .* marked 'parallel'"),
     (_row_sum(init=False), "NaN in the output: fresh scratch is NaN"),
+    # zeroed when the row index is 0: on every column step of row block 0
+    (_row_sum(init_axis=0), r"only the last column block's sum reached the output: .*pl.program_id\(1\), is 0"),
+    # the parallel axis moved, not removed: TPU interpret mode refuses it, the checker says why first
+    (_row_sum(semantics=("arbitrary", "parallel")), "grid axis 1 carries the running sum .* marked 'parallel'"),
 ])
 def test_row_sum_wrong_answers_fail_with_their_hint(wrong, message):
     with pytest.raises(CheckFailed, match=message):
         nb05.check_row_sum(wrong)
 
 
-def test_row_sum_solution_passes(capsys):
-    nb05.check_row_sum(_row_sum())
+def row_sum_into_output(x, *, interpret=True):  # another valid style: the resident output block is the accumulator
+    def kernel(x_ref, o_ref):
+        @pl.when(pl.program_id(1) == 0)
+        def _():
+            o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+
+        o_ref[...] += jnp.sum(x_ref[...], axis=1, keepdims=True)
+
+    return pl.pallas_call(kernel, grid=(x.shape[0] // 8, x.shape[1] // 128),
+                          in_specs=[pl.BlockSpec((8, 128), lambda i, j: (i, j))],
+                          out_specs=pl.BlockSpec((8, 1), lambda i, j: (i, 0)),
+                          out_shape=jax.ShapeDtypeStruct((x.shape[0], 1), jnp.float32), interpret=interpret)(x)
+
+
+@pytest.mark.parametrize("answer", [_row_sum(), _row_sum(semantics=("arbitrary", "arbitrary")), row_sum_into_output])
+def test_row_sum_solution_passes(answer, capsys):
+    nb05.check_row_sum(answer)
     assert capsys.readouterr().out.startswith("passed: row_sum_fixed")

@@ -12,25 +12,25 @@ from jax.experimental import pallas as pl
 from flashlib import cost
 from flashlib.checks import CheckFailed, exercise
 from flashlib.exercises import flash_kernel as nb06
+from flashlib.exercises.flash_kernel_solutions import NT_DIMS
+from flashlib.geometry import MASK_VALUE
 from flashlib.kernels import BlockSizes
 from flashlib.kernels.block_sizes import vmem_limit_bytes
-
-NT_DIMS = nb06.NT_DIMS
 
 
 def _stub(*args, **kwargs):
     raise NotImplementedError
 
 
-def _init(m_ref, l_ref, acc_ref):
-    m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+def _init(m_ref, l_ref, acc_ref, m0=-jnp.inf):
+    m_ref[...] = jnp.full(m_ref.shape, m0, jnp.float32)
     l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
 
-def _fold(s, v_ref, m_ref, l_ref, acc_ref, *, rescale=True):
-    m_prev = m_ref[...]
-    m_next = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
+def _fold(s, v_ref, m_ref, l_ref, acc_ref, *, rescale=True, running=True):
+    m_prev = m_ref[...]  # running=False: this block's max alone (exact in exact arithmetic, overflows in f32)
+    m_next = jnp.maximum(m_prev, s.max(axis=1, keepdims=True)) if running else s.max(axis=1, keepdims=True)
     alpha, p = (jnp.exp(m_prev - m_next) if rescale else 1.0), jnp.exp(s - m_next)
     m_ref[...] = m_next
     l_ref[...] = alpha * l_ref[...] + p.sum(axis=1, keepdims=True)
@@ -41,12 +41,13 @@ def _scores(q_ref, k_ref, scale):
     return lax.dot_general(q_ref[...], k_ref[...], NT_DIMS, preferred_element_type=jnp.float32) * scale
 
 
-def _kernel(*, init="first", rescale=True, finalize="last", divide=True, cap=None):
+def _kernel(*, init="first", rescale=True, finalize="last", divide=True, cap=None, m0=-jnp.inf, running=True,
+            fixed_cap=None):
     """A forward kernel with one mistake switched on (the defaults make it right)."""
     def kernel(q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref, *, scale, **params):
         j, last = pl.program_id(3), pl.num_programs(3) - 1
         if init == "first":
-            pl.when(j == 0)(lambda: _init(m_ref, l_ref, acc_ref))
+            pl.when(j == 0)(lambda: _init(m_ref, l_ref, acc_ref, m0))
         elif init == "every step":
             _init(m_ref, l_ref, acc_ref)
         elif init == "where":  # notebook 06's old step 2: right numbers, no control flow
@@ -60,7 +61,11 @@ def _kernel(*, init="first", rescale=True, finalize="last", divide=True, cap=Non
             s = params["cap"] * jnp.tanh(s / scale / params["cap"]) * scale
         elif cap == "no factor":
             s = jnp.tanh(s / params["cap"])
-        _fold(s, v_ref, m_ref, l_ref, acc_ref, rescale=rescale)
+        elif cap == "fixed":  # the number from the prompt, not the argument
+            s = fixed_cap * jnp.tanh(s / fixed_cap)
+        elif cap == "clip":
+            s = jnp.clip(s, -params["cap"], params["cap"])
+        _fold(s, v_ref, m_ref, l_ref, acc_ref, rescale=rescale, running=running)
 
         def write():
             o_ref[...] = ((acc_ref[...] / l_ref[...]) if divide else acc_ref[...]).astype(o_ref.dtype)
@@ -86,7 +91,10 @@ def test_forward_stub_falls_back_to_the_solution(capsys):
     (_kernel(finalize="first"), "attention over the FIRST key block alone"),
     (_kernel(divide=False), "divide by l in finalize"),
     (_kernel(init="where", finalize="every step"), "fewer than two pl.when"),
-], ids=["no init", "no rescale", "init every step", "finalize first", "no division", "no pl.when"])
+    (_kernel(m0=0.0), "case 'scores near \\+180.* all near -180: with m starting at 0.*start m at -inf"),
+    (_kernel(running=False), "case 'scores near \\+180.* NaN in rows whose scores reach \\+180: .* RUNNING maximum"),
+], ids=["no init", "no rescale", "init every step", "finalize first", "no division", "no pl.when", "m starts at 0",
+        "block max, not running max"])
 def test_forward_wrong_answers_fail_with_their_hint(wrong, message):
     with pytest.raises(CheckFailed, match=message):
         nb06.check_forward_kernel(wrong)
@@ -100,17 +108,20 @@ def test_forward_solution_passes(capsys):
 # -- puzzle 2: causal skipping -------------------------------------------------------------------------------
 
 
-def _last(i, block_q, block_k, offset, *, minus_one=True, aligned=True):
-    return lax.div((i + 1) * block_q - (1 if minus_one else 0) + (offset if aligned else 0), block_k)
+def _last(i, block_q, block_k, offset, *, minus_one=True, aligned=True, floordiv=False):
+    top = (i + 1) * block_q - (1 if minus_one else 0) + (offset if aligned else 0)
+    return top // block_k if floordiv else lax.div(top, block_k)
 
 
-def _causal_map(*, clamp=True, minus_one=True):
+def _causal_map(*, clamp=True, minus_one=True, floordiv=False):
     def index_map(b, h, i, j, *, block_q, block_k, offset):
-        return b, h, (jnp.minimum(j, _last(i, block_q, block_k, offset, minus_one=minus_one)) if clamp else j), 0
+        last = _last(i, block_q, block_k, offset, minus_one=minus_one, floordiv=floordiv)
+        return b, h, (jnp.minimum(j, last) if clamp else j), 0
     return index_map
 
 
-def _causal_kernel(*, skip=True, mask=True, aligned=True):
+def _causal_kernel(*, skip=True, mask=True, aligned=True, floordiv=False, masked_value=MASK_VALUE,
+                   finalize_on_last_visible=False):
     def kernel(q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref, *, scale, offset):
         block_q, block_k = q_ref.shape[0], k_ref.shape[0]
         i, j = pl.program_id(2), pl.program_id(3)
@@ -120,12 +131,15 @@ def _causal_kernel(*, skip=True, mask=True, aligned=True):
             s = _scores(q_ref, k_ref, scale)
             q_pos = i * block_q + lax.broadcasted_iota(jnp.int32, s.shape, 0) + (offset if aligned else 0)
             kv_pos = j * block_k + lax.broadcasted_iota(jnp.int32, s.shape, 1)
-            _fold(jnp.where(kv_pos <= q_pos, s, nb06.MASK_VALUE) if mask else s, v_ref, m_ref, l_ref, acc_ref)
+            _fold(jnp.where(kv_pos <= q_pos, s, masked_value) if mask else s, v_ref, m_ref, l_ref, acc_ref)
+        last = _last(i, block_q, block_k, offset, aligned=aligned, floordiv=floordiv)
         if skip:
-            pl.when(j <= _last(i, block_q, block_k, offset, aligned=aligned))(body)
+            pl.when(j <= last)(body)
         else:
             body()
-        pl.when(j == pl.num_programs(3) - 1)(lambda: o_ref.__setitem__(..., acc_ref[...] / l_ref[...]))
+        # o_ref stays in VMEM for the whole row of steps, so writing it at the last step that computes is right too
+        pl.when(j == (last if finalize_on_last_visible else pl.num_programs(3) - 1))(
+            lambda: o_ref.__setitem__(..., acc_ref[...] / l_ref[...]))
     return kernel
 
 
@@ -143,7 +157,9 @@ def test_causal_stub_falls_back_to_the_solution(capsys):
     ((_causal_map(), _causal_kernel(skip=False)), "the body runs on skipped steps"),
     ((_causal_map(), _causal_kernel(mask=False)), "the diagonal block is not masked element by element"),
     ((_causal_map(), _causal_kernel(aligned=False)), "the mask is aligned top-left"),
-], ids=["unclamped map", "off-by-one clamp", "no skip", "no mask", "top-left"])
+    ((_causal_map(floordiv=True), _causal_kernel()), "the index map divides a traced int with //.* lax.div"),
+    ((_causal_map(), _causal_kernel(floordiv=True)), "the kernel divides a traced int with //.* lax.div"),
+], ids=["unclamped map", "off-by-one clamp", "no skip", "no mask", "top-left", "// in the map", "// in the kernel"])
 def test_causal_wrong_answers_fail_with_their_hint(wrong, message):
     with pytest.raises(CheckFailed, match=message):
         nb06.check_causal(wrong)
@@ -155,6 +171,11 @@ def test_causal_solution_passes(capsys):
     out = capsys.readouterr().out
     assert out.startswith("passed: causal kernel") and copies == "7, 4, 8", copies
     assert f"copies {copies} k blocks where an unclamped one copies 8, 8, 10" in out, out
+
+
+def test_causal_alternative_passes(capsys):  # -inf for MASK_VALUE (every row sees key 0), o_ref written early
+    nb06.check_causal((_causal_map(), _causal_kernel(masked_value=-jnp.inf, finalize_on_last_visible=True)))
+    assert capsys.readouterr().out.startswith("passed: causal kernel")
 
 
 # -- exercise 1: softcapping -----------------------------------------------------------------------------------
@@ -169,7 +190,9 @@ def test_softcap_stub_is_not_attempted(capsys):
     (_kernel(), "the scores are not capped"),
     (_kernel(cap="before scale"), "the cap is applied before the scale"),
     (_kernel(cap="no factor"), "multiply it by cap"),
-])
+    (_kernel(cap="fixed", fixed_cap=2.0), "case '64 queries, 384 keys, cap 1' — this is the cap 2 of the case before"),
+    (_kernel(cap="clip"), "the scores are clipped to \\[-cap, cap\\]"),
+], ids=["no cap", "before scale", "no factor", "cap hard-coded", "clipped"])
 def test_softcap_wrong_answers_fail_with_their_hint(wrong, message):
     with pytest.raises(CheckFailed, match=message):
         nb06.check_softcap(wrong)
@@ -192,6 +215,7 @@ def test_counts_stub_is_not_attempted(capsys):
     ((12, 32), "one copy per grid step, as without the clamp"),
     ((12, 20), "one copy per step that computes is nearly it"),
     ((20, 18), "20 is the number of steps that run"),
+    ((18, 12), "the right pair in the wrong order"),
 ])
 def test_counts_wrong_answers_fail_with_their_hint(wrong, message):
     with pytest.raises(CheckFailed, match=message):

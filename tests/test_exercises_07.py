@@ -14,9 +14,8 @@ from jax.experimental import pallas as pl
 
 from flashlib.checks import CheckFailed, exercise
 from flashlib.exercises import backward as nb07
+from flashlib.exercises.backward_solutions import NT_DIMS, TN_DIMS
 from flashlib.geometry import MASK_VALUE
-
-NT_DIMS, TN_DIMS = nb07.NT_DIMS, nb07.TN_DIMS
 
 
 def _stub(*args, **kwargs):
@@ -26,43 +25,45 @@ def _stub(*args, **kwargs):
 # -- wrong answers: the solution with one mistake ---------------------------------------------------------------
 
 
-def probabilities_with(*, subtract_lse=True, mask=True):
+def probabilities_with(*, subtract_lse=True, mask=True, masked=MASK_VALUE, always_mask=False):
     def probabilities(q_ref, k_ref, lse_ref, q_block, kv_block, *, scale, causal, offset):
         s = lax.dot_general(q_ref[...], k_ref[...], NT_DIMS, preferred_element_type=jnp.float32) * scale
-        if causal and mask:
+        if (causal or always_mask) and mask:
             q_pos = q_block * q_ref.shape[0] + lax.broadcasted_iota(jnp.int32, s.shape, 0)
             kv_pos = kv_block * k_ref.shape[0] + lax.broadcasted_iota(jnp.int32, s.shape, 1)
-            s = jnp.where(kv_pos <= q_pos + offset, s, MASK_VALUE)
+            s = jnp.where(kv_pos <= q_pos + offset, s, masked)
         return jnp.exp(s - lse_ref[...]) if subtract_lse else jnp.exp(s)
     return probabilities
 
 
-def dkv_kernel_with(*, subtract_d=True, scale_dk=True, skip=True, zero=True):
+def dkv_kernel_with(*, subtract_d=True, scale_dk=True, skip=True, zero=True, scale_dv=False, zero_at_first=False):
     def dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, d_ref, dk_ref, dv_ref, dk_acc, dv_acc, *, scale, causal,
                    offset):
         kv_block, q_block = pl.program_id(2), pl.program_id(3)
 
-        @pl.when(q_block == 0)
+        first = nb07.first_q_block(kv_block, q_ref.shape[0], k_ref.shape[0], offset)
+
+        @pl.when(q_block == (first if zero_at_first and causal else 0))  # the first visited step is as good
         def init():
             dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
             if zero:  # without it dV sums onto whatever the scratch held (NaN under InterpretParams)
                 dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
 
-        first = nb07.first_q_block(kv_block, q_ref.shape[0], k_ref.shape[0], offset)
-
         @pl.when(q_block >= first if causal and skip else True)
         def body():
             p = nb07.probabilities(q_ref, k_ref, lse_ref, q_block, kv_block, scale=scale, causal=causal,
                                    offset=offset)
-            dv_acc[...] += lax.dot_general(p, do_ref[...], TN_DIMS, preferred_element_type=jnp.float32)
+            dv_acc[...] += lax.dot_general(p.astype(do_ref.dtype), do_ref[...], TN_DIMS,
+                                           preferred_element_type=jnp.float32)
             dp = lax.dot_general(do_ref[...], v_ref[...], NT_DIMS, preferred_element_type=jnp.float32)
             ds = p * (dp - d_ref[...]) if subtract_d else p * dp
-            dk_acc[...] += lax.dot_general(ds, q_ref[...], TN_DIMS, preferred_element_type=jnp.float32)
+            dk_acc[...] += lax.dot_general(ds.astype(q_ref.dtype), q_ref[...], TN_DIMS,
+                                           preferred_element_type=jnp.float32)
 
         @pl.when(q_block == pl.num_programs(3) - 1)
         def finalize():
-            dk_ref[...] = dk_acc[...] * scale if scale_dk else dk_acc[...]
-            dv_ref[...] = dv_acc[...]
+            dk_ref[...] = (dk_acc[...] * scale if scale_dk else dk_acc[...]).astype(dk_ref.dtype)
+            dv_ref[...] = (dv_acc[...] * scale if scale_dv else dv_acc[...]).astype(dv_ref.dtype)
     return dkv_kernel
 
 
@@ -119,18 +120,27 @@ def test_dkv_stub_is_not_attempted(capsys):
 @pytest.mark.parametrize("wrong, message", [
     ((probabilities_with(subtract_lse=False), DKV[1], DKV[2]), r"P is exp\(s\), not exp\(s - lse\)"),
     ((probabilities_with(mask=False), DKV[1], DKV[2]), "the diagonal tile .* no causal mask"),
+    ((probabilities_with(always_mask=True), DKV[1], DKV[2]), "a non-causal tile — the tile is masked although causal "
+                                                             "is False"),
     ((DKV[0], first_q_block_no_offset, DKV[2]), r"first_q_block\(1, block_q=32, block_k=64, offset=128\) is 2, "
                                                 "expected 0 — the first query block"),
     ((DKV[0], first_q_block_unclamped, DKV[2]), r"offset=128\) is -4, expected 0 \(an index map .* clamp at 0\)"),
     ((DKV[0], DKV[1], dkv_kernel_with(subtract_d=False)), r"case 'non-causal.* dk is wrong: .*subtract D"),
     ((DKV[0], DKV[1], dkv_kernel_with(scale_dk=False)), r"case 'non-causal.* dk is 1/scale too large"),
     ((DKV[0], DKV[1], dkv_kernel_with(zero=False)), r"case 'non-causal.* dv has NaN: zero the accumulator"),
+    ((DKV[0], DKV[1], dkv_kernel_with(scale_dv=True)), r"case 'non-causal.* dv is scale times too small: dV = P\^T dO "
+                                                       "has no scale"),
     ((DKV[0], DKV[1], dkv_kernel_with(skip=False)), r"case 'causal, q_len = kv_len.* dk has NaN: the body ran on a "
                                                     "step the causal mask hides"),
 ])
 def test_dkv_wrong_answers_fail_with_their_hint(wrong, message):
     with pytest.raises(CheckFailed, match=message):
         nb07.check_dkv_kernel(wrong)
+
+
+def test_dkv_alternative_passes(capsys):  # -inf for MASK_VALUE (P = 0 either way), zeroed at the first visited step
+    nb07.check_dkv_kernel((probabilities_with(masked=-jnp.inf), DKV[1], dkv_kernel_with(zero_at_first=True)))
+    assert "passed: the dK/dV kernel" in capsys.readouterr().out
 
 
 def test_dkv_solution_passes(capsys):
@@ -215,10 +225,11 @@ def test_d_solution_passes(capsys):
 # -- exercise 2: dV of one key block ------------------------------------------------------------------------------
 
 
-def dv_loop(q, k, do, lse, j, *, block_q, block_k, scale, first=None, mask=True, subtract_lse=True):
+def dv_loop(q, k, do, lse, j, *, block_q, block_k, scale, first=None, mask=True, subtract_lse=True, ceil=False):
     k_j = k[j * block_k:(j + 1) * block_k]
     dv = jnp.zeros((block_k, q.shape[1]))
-    for i in range(j * block_k // block_q if first is None else first, q.shape[0] // block_q):
+    start = -(-j * block_k // block_q) if ceil else j * block_k // block_q  # ceil: too late when block_q > block_k
+    for i in range(start if first is None else first, q.shape[0] // block_q):
         rows = slice(i * block_q, (i + 1) * block_q)
         s = q[rows] @ k_j.T * scale
         q_pos, kv_pos = i * block_q + jnp.arange(block_q)[:, None], j * block_k + jnp.arange(block_k)[None]
@@ -228,10 +239,13 @@ def dv_loop(q, k, do, lse, j, *, block_q, block_k, scale, first=None, mask=True,
 
 
 @pytest.mark.parametrize("wrong, message", [
-    (functools.partial(dv_loop, first=0), "key block 1 — NaN: it used a query block that cannot see key block 1"),
-    (functools.partial(dv_loop, mask=False), "key block 0 — the diagonal block is not masked"),
-    (functools.partial(dv_loop, subtract_lse=False), r"key block 0 — off from the float64 oracle: .*the saved lse"),
-])
+    (functools.partial(dv_loop, first=0), "key block 1 of 32 x 64 blocks — NaN: it used a query block that cannot "
+                                          "see key block 1"),
+    (functools.partial(dv_loop, mask=False), "key block 0 of 32 x 64 blocks — the diagonal block is not masked"),
+    (functools.partial(dv_loop, subtract_lse=False), r"key block 0 .* off from the float64 oracle: .*the saved lse"),
+    (functools.partial(dv_loop, ceil=True), r"key block 1 of 64 x 32 blocks — query block 0 is left out, but it sees "
+                                            "key block 1 .* rounded down"),
+], ids=["from block 0", "no mask", "no lse", "first block rounded up"])
 def test_dv_of_key_block_wrong_answers_fail_with_their_hint(wrong, message):
     with pytest.raises(CheckFailed, match=message):
         nb07.check_dv_of_key_block(wrong)
@@ -241,6 +255,16 @@ def test_dv_of_key_block_stub_and_solution(capsys):
     exercise("exercise 2", lambda: _stub, nb07.check_dv_of_key_block)
     assert "not attempted yet" in capsys.readouterr().out
     nb07.check_dv_of_key_block(dv_loop)
+    assert "passed: dv_of_key_block" in capsys.readouterr().out
+
+
+def test_dv_of_key_block_without_a_loop_passes(capsys):  # all the rows that see block j at once, P masked after exp
+    def dv_at_once(q, k, do, lse, j, *, block_q, block_k, scale):
+        first = j * block_k // block_q * block_q
+        s = q[first:] @ k[j * block_k:(j + 1) * block_k].T * scale
+        visible = j * block_k + jnp.arange(block_k)[None] <= first + jnp.arange(q.shape[0] - first)[:, None]
+        return jnp.where(visible, jnp.exp(s - lse[first:, None]), 0.0).T @ do[first:]
+    nb07.check_dv_of_key_block(dv_at_once)
     assert "passed: dv_of_key_block" in capsys.readouterr().out
 
 

@@ -4,6 +4,8 @@ solution (it passes). Nothing compiles: the checkers read committed tables and s
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -66,6 +68,31 @@ def choose_returns_the_pair(estimates, head_dim, dtype, budget):
     return min(fitting, key=lambda p: (p[1], p[0].vmem_bytes(head_dim, dtype))) if fitting else None
 
 
+def choose_last_of_equals(estimates, head_dim, dtype, budget):  # a loop with <= on (cycles, VMEM): the last of equals
+    best = None
+    for sizes, cycles in _fits(estimates, head_dim, dtype, budget):
+        key = (cycles, sizes.vmem_bytes(head_dim, dtype))
+        if best is None or key <= best[0]:
+            best = (key, sizes)
+    return None if best is None else best[1]
+
+
+def choose_smaller_block_q(estimates, head_dim, dtype, budget):  # a tie goes to the smaller block_q, not less VMEM
+    fitting = _fits(estimates, head_dim, dtype, budget)
+    return min(fitting, key=lambda pair: (pair[1], pair[0].block_q))[0] if fitting else None
+
+
+def choose_by_sorting(estimates, head_dim, dtype, budget):  # another valid style: a stable sort, then the first fit
+    ranked = sorted(estimates, key=lambda pair: (pair[1], pair[0].vmem_bytes(head_dim, dtype)))
+    return next((sizes for sizes, _ in ranked if sizes.vmem_bytes(head_dim, dtype) <= budget), None)
+
+
+def choose_by_max(estimates, head_dim, dtype, budget):  # another valid style: max of the negated key
+    fitting = _fits(estimates, head_dim, dtype, budget)  # max, like min, keeps the first of equal keys
+    best = max(fitting, key=lambda pair: (-pair[1], -pair[0].vmem_bytes(head_dim, dtype)), default=None)
+    return None if best is None else best[0]
+
+
 def test_choose_blocks_stub_is_not_attempted(capsys):
     def choose_blocks(estimates, head_dim, dtype, budget):
         raise NotImplementedError  # your code here
@@ -86,6 +113,10 @@ def test_choose_blocks_stub_is_not_attempted(capsys):
     (choose_at_the_chips_budget, "case 'float32 with head_dim 256, a budget of 15 MiB' — .*over the budget"),
     (choose_min_of_nothing, "case 'nothing fits a budget of 4 MiB' — raised ValueError .*return None"),
     (choose_returns_the_pair, "returned the pair .*return the BlockSizes itself"),
+    (choose_last_of_equals, r"case 'two candidates tie on cycles and on VMEM .*' — picked q128/k2048, but q512/k512 "
+                            r"comes earlier .*the earlier wins .*not <="),
+    (choose_smaller_block_q, "case 'two candidates tie on cycles, the one needing less VMEM has the larger block_q .*' "
+                             "— picked q512/k1024 .*a tie in cycles goes to the candidate needing less VMEM"),
 ])
 def test_choose_blocks_wrong_answers_fail_with_their_hint(wrong, message):
     with pytest.raises(CheckFailed, match=message):
@@ -93,8 +124,9 @@ def test_choose_blocks_wrong_answers_fail_with_their_hint(wrong, message):
     assert nb08.CHOOSE_BLOCKS.use(wrong) is nb08.choose_blocks_solution
 
 
-def test_choose_blocks_solution_passes(capsys):
-    assert nb08.CHOOSE_BLOCKS.use(nb08.choose_blocks_solution) is nb08.choose_blocks_solution
+@pytest.mark.parametrize("answer", [nb08.choose_blocks_solution, choose_by_sorting, choose_by_max])
+def test_choose_blocks_solution_passes(answer, capsys):
+    assert nb08.CHOOSE_BLOCKS.use(answer) is answer
     out = capsys.readouterr().out
     assert out.startswith("passed: choose_blocks") and "solved" in out
 
@@ -104,6 +136,10 @@ def test_the_cases_are_what_their_names_say():
     est, hd, dt, budget = cases["v6e's committed T=4096 candidates under v5e's 16 MiB (v6e's fastest needs 26 MiB)"]
     fastest = min(est, key=lambda pair: pair[1])[0]
     assert fastest.vmem_bytes(hd, dt) == 26 * MIB > budget
+    est, hd, dt, budget = cases["two candidates tie on cycles and on VMEM (q512/k512 and q128/k2048, 5.5 MiB each): "
+                                "the earlier wins"]
+    (first, c1), (second, c2) = est[1:3]
+    assert c1 == c2 and first.vmem_bytes(hd, dt) == second.vmem_bytes(hd, dt) == 5.5 * MIB and first != second
     est, hd, dt, budget = cases["a candidate needs exactly the budget"]
     assert nb08.choose_blocks_solution(est, hd, dt, budget).vmem_bytes(hd, dt) == budget
     assert all(nb08.choose_blocks_solution(*cases[c]) is None for c in cases if c.startswith(("nothing", "no cand")))
@@ -139,6 +175,20 @@ def intensity_float32(seq, block_q, block_k):
             / cost.attention_bytes(1, 8, seq, seq, 128, False, jnp.float32, sizes))
 
 
+def intensity_with(seq, block_q, block_k, *, swap=False, with_lse=False, fit_dtype=jnp.bfloat16, bytes_blocks=True):
+    sizes = (BlockSizes(block_k, block_q) if swap else BlockSizes(block_q, block_k)).fit(seq, seq, fit_dtype)
+    return (cost.attention_flops(1, 8, seq, seq, 128, False, sizes)
+            / cost.attention_bytes(1, 8, seq, seq, 128, False, jnp.bfloat16, sizes if bytes_blocks else None,
+                                   with_lse=with_lse))
+
+
+def intensity_by_hand(seq, block_q, block_k):  # another valid style: whole blocks counted by hand
+    block_q, block_k = min(block_q, -(-seq // 16) * 16), min(block_k, -(-seq // 128) * 128)  # fit: bf16 rows, lanes
+    n_q, n_k = -(-seq // block_q), -(-seq // block_k)
+    flops = 4 * (n_q * block_q) * (n_k * block_k) * 128  # every score of every padded block, two matmuls
+    return flops / (2 * 128 * (2 * n_q * block_q + 2 * n_q * n_k * block_k))  # q, out once; k, v per query block
+
+
 def test_intensity_stub_is_not_attempted(capsys):
     def kernel_intensity(seq, block_q, block_k):
         raise NotImplementedError  # your count here
@@ -147,18 +197,23 @@ def test_intensity_stub_is_not_attempted(capsys):
 
 
 @pytest.mark.parametrize("wrong, message", [
-    (intensity_ideal, "case T=1000 .*that is the ideal T/2"),
+    (intensity_ideal, "case T=1000 .*that is T/2, the ideal"),
     (intensity_formula, "case T=1000 .*section 1's formula"),
     (intensity_unfitted, r"case T=300 .*clamps its blocks to the sequence: BlockSizes\(block_q, block_k\)\.fit"),
     (intensity_float32, "case T=1000 .*bfloat16, 2 bytes a value"),
+    (functools.partial(intensity_with, swap=True), r"case T=1000 .*block_q and block_k are swapped"),
+    (functools.partial(intensity_with, with_lse=True), r"case T=1000 .*writes no lse"),
+    (functools.partial(intensity_with, fit_dtype=jnp.float32), r"case T=100 in 512x512 blocks .*fitted for float32"),
+    (functools.partial(intensity_with, bytes_blocks=False), r"case T=1000 .*pass block_sizes= to attention_bytes too"),
 ])
 def test_intensity_wrong_answers_fail_with_their_hint(wrong, message):
     with pytest.raises(CheckFailed, match=message):
         nb08.check_intensity(wrong)
 
 
-def test_intensity_solution_passes(capsys):
-    exercise("exercise 1", lambda: intensity_solution, nb08.check_intensity)
+@pytest.mark.parametrize("answer", [intensity_solution, intensity_by_hand])
+def test_intensity_solution_passes(answer, capsys):
+    exercise("exercise 1", lambda: answer, nb08.check_intensity)
     assert capsys.readouterr().out.startswith("passed: kernel intensity")
 
 
@@ -183,14 +238,23 @@ def test_step_cost_stub_is_not_attempted(capsys):
     (lambda: _sweep_fit("v5e")[0], "that is v5e's slope"),
     (lambda: _sweep_fit()[0], "fits both chips at once"),
     (lambda: _sweep_fit("v6e", "cycles", "grid_steps")[0], "fits steps against cycles"),
+    (lambda: _sweep_fit("v6e"), r"got 2 numbers: return the slope alone .*take \[0\]"),
 ])
 def test_step_cost_wrong_answers_fail_with_their_hint(wrong, message):
     with pytest.raises(CheckFailed, match=message):
         nb08.check_step_cost(wrong())
 
 
-def test_step_cost_solution_passes(capsys):
-    exercise("exercise 2", lambda: _sweep_fit("v6e")[0], nb08.check_step_cost)
+def _lstsq_slope():  # another valid style: least squares by hand
+    rows = [r for r in perf_data.read_table(data.find_data_file("estimates/block_sweep.csv"))
+            if r["generation"] == "v6e" and r["status"] == "ok"]
+    design = np.array([[r["grid_steps"], 1.0] for r in rows])
+    return float(np.linalg.lstsq(design, np.array([r["cycles"] for r in rows], float), rcond=None)[0][0])
+
+
+@pytest.mark.parametrize("answer", [lambda: _sweep_fit("v6e")[0], _lstsq_slope])
+def test_step_cost_solution_passes(answer, capsys):
+    exercise("exercise 2", answer, nb08.check_step_cost)
     assert capsys.readouterr().out.startswith("passed: v6e fixed cycles per grid step")
 
 
@@ -243,6 +307,46 @@ def crossover_no_status_filter(rows, generation):  # compares None cycles
     return next((s for i, s in enumerate(seqs) if all(wins[t] for t in seqs[i:])), None)
 
 
+def crossover_ties_win(rows, generation):  # <= : equal cycles counted as a win
+    ratios = _ratios(rows, generation)
+    seqs = sorted(ratios)
+    return next((s for i, s in enumerate(seqs) if all(ratios[t] <= 1 for t in seqs[i:])), None)
+
+
+def crossover_fixed_lengths(rows, generation):  # the committed sweep's lengths, hard-coded
+    ratios = _ratios(rows, generation)
+    seqs = [s for s in (128, 256, 512, 1024, 2048, 4096) if s in ratios]
+    return next((s for i, s in enumerate(seqs) if all(ratios[t] < 1 for t in seqs[i:])), None)
+
+
+def crossover_upside_down(rows, generation):  # XLA / flashlib < 1: where XLA wins
+    ratios = {s: 1 / r for s, r in _ratios(rows, generation).items()}
+    seqs = sorted(ratios)
+    return next((s for i, s in enumerate(seqs) if all(ratios[t] < 1 for t in seqs[i:])), None)
+
+
+def crossover_in_row_order(rows, generation):  # walks the lengths in the order the rows come
+    ratios = _ratios(rows, generation)
+    seqs = list(ratios)
+    return next((s for i, s in enumerate(seqs) if all(ratios[t] < 1 for t in seqs[i:])), None)
+
+
+def crossover_missing_pallas_is_a_loss(rows, generation):  # walks XLA's lengths; no flashlib estimate = a loss
+    mine = perf_data.select(rows, generation=generation, status="ok")
+    xla = {r["seq"]: r["cycles"] for r in mine if r["impl"] == "xla"}
+    ours = {r["seq"]: r["cycles"] for r in mine if r["impl"] == "pallas"}
+    seqs = sorted(xla)
+    return next((s for i, s in enumerate(seqs) if all(t in ours and ours[t] < xla[t] for t in seqs[i:])), None)
+
+
+def crossover_after_the_last_loss(rows, generation):  # another valid style: the length after the last loss
+    ratios = _ratios(rows, generation)
+    seqs = sorted(ratios)
+    losses = [i for i, s in enumerate(seqs) if ratios[s] >= 1]
+    after = losses[-1] + 1 if losses else 0
+    return seqs[after] if after < len(seqs) else None
+
+
 def test_crossover_stub_is_not_attempted(capsys):
     def crossover(rows, generation):
         raise NotImplementedError
@@ -258,14 +362,21 @@ def test_crossover_stub_is_not_attempted(capsys):
     (crossover_any_chip, "case 'both chips in one table.*got 512, expected 1024: that is the other chip's"),
     (crossover_missing_is_a_loss, "case 'XLA has no estimate at 1024.*got 2048, expected 512: a length without both"),
     (crossover_no_status_filter, "case 'XLA has no estimate at 1024.*TypeError .*keep the rows with status 'ok'"),
+    (crossover_ties_win, r"case 'flashlib ties XLA at 512 .*got 512, expected 1024: .*a tie is not a win.*<, not <="),
+    (crossover_fixed_lengths, r"case 'other lengths .*got None, expected 1536: take the lengths from the rows"),
+    (crossover_upside_down, r"case 'flashlib wins at 256.*got None, expected 1024: .*check the comparison's direction"),
+    (crossover_in_row_order, r"case 'both chips in one table.*got None, expected 1024: .*sort the lengths"),
+    (crossover_missing_pallas_is_a_loss, r"case 'flashlib has no estimate at 2048.*got 4096, expected 512: a length "
+                                         r"without both estimates says nothing"),
 ])
 def test_crossover_wrong_answers_fail_with_their_hint(wrong, message):
     with pytest.raises(CheckFailed, match=message):
         nb08.check_crossover(wrong)
 
 
-def test_crossover_solution_passes(capsys):
-    exercise("exercise 3", lambda: crossover_solution, nb08.check_crossover)
+@pytest.mark.parametrize("answer", [crossover_solution, crossover_after_the_last_loss])
+def test_crossover_solution_passes(answer, capsys):
+    exercise("exercise 3", lambda: answer, nb08.check_crossover)
     assert capsys.readouterr().out.startswith("passed: crossover")
 
 

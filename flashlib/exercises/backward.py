@@ -17,88 +17,17 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from flashlib import geometry, reference, viz
 from flashlib.checks import CheckFailed, check, check_attention_grads
+from flashlib.exercises.backward_solutions import dkv_kernel, dq_kernel, first_q_block, last_kv_block, probabilities
 from flashlib.exercises.puzzle import Puzzle
-from flashlib.geometry import MASK_VALUE
 from flashlib.kernels.tpu_backward import NO_KEY_LSE
 
 __all__ = ["DKV_KERNEL", "DQ_KERNEL", "check_busiest", "check_d_both_ways", "check_dkv_kernel", "check_dq_kernel",
            "check_dv_of_key_block"]
-
-NT_DIMS = (((1,), (1,)), ((), ()))  # [m, d] x [n, d] -> [m, n]: a @ b.T
-TN_DIMS = (((0,), (0,)), ((), ()))  # [m, n] x [m, d] -> [n, d]: a.T @ b
-
-
-# -- the solutions: what the notebook's stubs ask for -------------------------------------------------------
-
-
-def probabilities(q_ref, k_ref, lse_ref, q_block, kv_block, *, scale, causal, offset):
-    # P = exp(S - lse) for one [block_q, block_k] tile, 0 where the causal mask hides the key.
-    s = lax.dot_general(q_ref[...], k_ref[...], NT_DIMS, preferred_element_type=jnp.float32) * scale
-    if causal:  # query i sees key j when j <= i + offset
-        q_pos = q_block * q_ref.shape[0] + lax.broadcasted_iota(jnp.int32, s.shape, 0)  # [bq, bk]
-        kv_pos = kv_block * k_ref.shape[0] + lax.broadcasted_iota(jnp.int32, s.shape, 1)  # [bq, bk]
-        s = jnp.where(kv_pos <= q_pos + offset, s, MASK_VALUE)
-    return jnp.exp(s - lse_ref[...])  # lse_ref: [bq, 1]
-
-
-def first_q_block(j, block_q, block_k, offset):  # the first query block that sees key block j
-    return lax.div(jnp.maximum(j * block_k - offset, 0), block_q)  # its first key is seen from query j*bk - offset
-
-
-def dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, d_ref, dk_ref, dv_ref, dk_acc, dv_acc, *, scale, causal,
-               offset):
-    block_q, block_k = q_ref.shape[0], k_ref.shape[0]
-    kv_block, q_block = pl.program_id(2), pl.program_id(3)  # the key block stays; query blocks stream past
-
-    @pl.when(q_block == 0)
-    def init():
-        dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
-        dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
-
-    @pl.when(q_block >= first_q_block(kv_block, block_q, block_k, offset) if causal else True)
-    def body():
-        p = probabilities(q_ref, k_ref, lse_ref, q_block, kv_block, scale=scale, causal=causal, offset=offset)
-        do = do_ref[...]  # [bq, d]
-        dv_acc[...] += lax.dot_general(p.astype(do.dtype), do, TN_DIMS, preferred_element_type=jnp.float32)
-        dp = lax.dot_general(do, v_ref[...], NT_DIMS, preferred_element_type=jnp.float32)  # [bq, bk]
-        ds = p * (dp - d_ref[...])  # [bq, bk]   d_ref: [bq, 1]
-        dk_acc[...] += lax.dot_general(ds.astype(q_ref.dtype), q_ref[...], TN_DIMS,
-                                       preferred_element_type=jnp.float32)  # [bk, d]
-
-    @pl.when(q_block == pl.num_programs(3) - 1)
-    def finalize():
-        dk_ref[...] = (dk_acc[...] * scale).astype(dk_ref.dtype)  # the scale once, at the end
-        dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
-
-
-def last_kv_block(i, block_q, block_k, offset):  # the last key block query block i sees (0 if it sees none)
-    return lax.div(jnp.maximum((i + 1) * block_q - 1 + offset, 0), block_k)  # its last query sees up to there
-
-
-def dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, d_ref, dq_ref, dq_acc, *, scale, causal, offset):
-    block_q, block_k = q_ref.shape[0], k_ref.shape[0]
-    q_block, kv_block = pl.program_id(2), pl.program_id(3)  # the query block stays; key blocks stream past
-
-    @pl.when(kv_block == 0)
-    def init():
-        dq_acc[...] = jnp.zeros(dq_acc.shape, jnp.float32)
-
-    @pl.when(kv_block <= last_kv_block(q_block, block_q, block_k, offset) if causal else True)
-    def body():
-        p = probabilities(q_ref, k_ref, lse_ref, q_block, kv_block, scale=scale, causal=causal, offset=offset)
-        dp = lax.dot_general(do_ref[...], v_ref[...], NT_DIMS, preferred_element_type=jnp.float32)  # [bq, bk]
-        ds = p * (dp - d_ref[...])  # [bq, bk]
-        dq_acc[...] += jnp.dot(ds.astype(k_ref.dtype), k_ref[...], preferred_element_type=jnp.float32)
-
-    @pl.when(kv_block == pl.num_programs(3) - 1)
-    def finalize():
-        dq_ref[...] = (dq_acc[...] * scale).astype(dq_ref.dtype)
 
 
 # -- the checkers' harness: the two pallas_calls, every hidden step handed a block of NaN ----------------------
@@ -203,6 +132,8 @@ def _check_probabilities(probabilities) -> None:
         if _close(got, np.exp(s)) or _close(got, np.where(visible | (not causal), np.exp(s), 0.0)):
             raise CheckFailed(f"{where} P is exp(s), not exp(s - lse): subtract the saved log-sum-exp (lse_ref, "
                               "[block_q, 1]) so that each row's probabilities are the forward's, normalised")
+        if not causal and _close(got, np.where(visible, np.exp(s - lse), 0.0)):
+            raise CheckFailed(f"{where} the tile is masked although causal is False: mask only `if causal:`")
         if causal:
             why = "no causal mask" if _close(got, np.exp(s - lse)) else "the mask is in the wrong place"
             raise CheckFailed(f"{where} {why}: on a tile that straddles the diagonal, P = 0 where kv_pos > q_pos + "
@@ -236,7 +167,8 @@ def _diagnose(label: str, got, want, case: _Case, scale: float, what: str) -> st
     if _close(got * scale, want):
         return f"{label} is 1/scale too large: dS = P * (dP - D) is the gradient of scale * q k^T; multiply by scale"
     if _close(got / scale, want):
-        return f"{label} has the scale twice: multiply the accumulated sum by scale once, at the end"
+        return (f"{label} has the scale twice: multiply the accumulated sum by scale once, at the end" if label != "dv"
+                else "dv is scale times too small: dV = P^T dO has no scale (only dQ and dK do, from S = scale QK^T)")
     if case.causal:
         return (f"{label} is right without the mask but not here: the body must run at every step that sees a key "
                 f"of the block (pl.when with {what}'s block function) and P must be masked on the diagonal")
@@ -348,16 +280,17 @@ def check_d_both_ways(d_both_ways) -> None:  # the exercises' checkers, from her
     check(np.allclose(from_p, from_o, atol=1e-4), "D both ways: rowsum(P * dP) == rowsum(dO * O)")
 
 
-def check_dv_of_key_block(dv_of_key_block, *, n: int = 256, block_q: int = 32, block_k: int = 64) -> None:
+def check_dv_of_key_block(dv_of_key_block, *, n: int = 256) -> None:
     """``dv_of_key_block(q, k, do, lse, j, *, block_q, block_k, scale)`` for causal attention on one head [n, 32],
-    for the first, a middle and the last key block, against float64. The query blocks that cannot see key
-    block ``j`` are handed to it as NaN: the loop must start at the first query block that sees ``j``."""
+    for the first, a middle and the last key block, with block_q < block_k and block_q > block_k, against
+    float64. The query blocks that cannot see key block ``j`` are handed to it as NaN: the loop must start at the
+    first query block that sees ``j``."""
     rng = np.random.default_rng(6)
     q, k, v, do = (rng.normal(size=(n, 32)) for _ in range(4))
     scale = 32**-0.5
     s = np.where(np.tril(np.ones((n, n), bool)), q @ k.T * scale, -np.inf)
     lse = np.log(np.exp(s).sum(axis=1))
-    for j in (0, 1, n // block_k - 1):
+    for (block_q, block_k), j in ((blocks, j) for blocks in ((32, 64), (64, 32)) for j in (0, 1, n // blocks[1] - 1)):
         keys, first = slice(j * block_k, (j + 1) * block_k), j * block_k // block_q * block_q
         hidden = np.arange(n)[:, None] < first  # rows of the query blocks that see none of key block j
         args = [jnp.asarray(np.where(hidden, np.nan, x), jnp.float32) for x in (q, k, do, lse[:, None])]
@@ -365,7 +298,7 @@ def check_dv_of_key_block(dv_of_key_block, *, n: int = 256, block_q: int = 32, b
                                          block_k=block_k, scale=scale), np.float64)
         p = np.exp(s - lse[:, None])[:, keys]
         want = p.T @ do
-        name = f"failed: dv_of_key_block, key block {j} —"
+        name = f"failed: dv_of_key_block, key block {j} of {block_q} x {block_k} blocks —"
         if got.shape != want.shape:
             raise CheckFailed(f"{name} shape {got.shape}, expected {want.shape} ([block_k, d])")
         if not np.isfinite(got).all():
@@ -377,10 +310,14 @@ def check_dv_of_key_block(dv_of_key_block, *, n: int = 256, block_q: int = 32, b
         unmasked = np.exp(q @ k.T * scale - lse[:, None])[first:, keys].T @ do[first:]
         if np.allclose(got, unmasked, rtol=1e-3, atol=1e-3):
             raise CheckFailed(f"{name} the diagonal block is not masked: query i sees key j only when j <= i")
+        if np.allclose(got, p[first + block_q:].T @ do[first + block_q:], atol=1e-4):
+            raise CheckFailed(f"{name} query block {first // block_q} is left out, but it sees key block {j} (it "
+                              f"holds query {j * block_k}): the first query block is j * block_k // block_q, "
+                              "rounded down")
         raise CheckFailed(f"{name} off from the float64 oracle: dV_j = sum over query blocks i of P_ij^T dO_i, with "
                           "P_ij = exp(scale * q_i k_j^T - lse_i) (the saved lse: no max, no sum)")
-    print("passed: dv_of_key_block matches the float64 oracle on key blocks 0, 1 and the last, using only the "
-          "query blocks that see them")
+    print("passed: dv_of_key_block matches the float64 oracle on key blocks 0, 1 and the last (block_q < block_k "
+          "and block_q > block_k), using only the query blocks that see them")
 
 
 def check_busiest(answer, *, n: int = 4096, block: int = 512) -> None:

@@ -1,12 +1,14 @@
 """Notebook 04's puzzle and exercises: flash attention in pure JAX, judged against the float64 oracle.
 
 The puzzle is the notebook's final one-head version (padding, bottom-right causal masks, rows that see no key,
-one query block at a time); the exercises are a from-scratch loop over key blocks, the log-sum-exp the backward
-pass needs, and a prediction of how each method's scratch memory scales, checked against XLA's measurement.
+one query block at a time; its solution is in :mod:`~flashlib.exercises.flash_jax_solutions`); the exercises are
+a from-scratch loop over key blocks, the log-sum-exp the backward pass needs, and a prediction of how each
+method's scratch memory scales, checked against XLA's measurement.
 
 Every attention output is judged by :func:`flashlib.checks.check_attention` (2x the naive float32 error); when
 it fails, the output is compared with what each usual mistake computes (top-left causal mask, padded keys left
-visible, no final division, a dropped last block...) so the message names the mistake, not just the error.
+visible, no final division, a dropped last block, a wrong scale...) and a wrong causal output names its first wrong
+row, so the message names the mistake, not just the error.
 """
 
 from __future__ import annotations
@@ -22,84 +24,77 @@ import numpy as np
 
 import flashlib
 from flashlib import reference
-from flashlib.blockwise import blockwise_attention, pad_to_multiple
+from flashlib.blockwise import blockwise_attention
 from flashlib.checks import CheckFailed, check_attention
+from flashlib.exercises.flash_jax_solutions import flash_attention_head_solution, fold_kv_block
 from flashlib.exercises.puzzle import Puzzle
 
 __all__ = ["FLASH_ATTENTION_HEAD", "check_flash_attention_head", "check_lse", "check_one_head",
            "check_scratch_exponents", "flash_attention_head_solution", "fold_kv_block"]
 
 
-# -- the puzzle's solution (the notebook's worked code) ---------------------------------------------------
-
-
-def fold_kv_block(m, l, acc, s, v_blk):  # noqa: E741 (the notebook's section 1, repeated for the solution)
-    m_new = jnp.maximum(m, s.max(axis=1))  # [bq]
-    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # [bq]    a row that has seen no key yet: 0, not NaN
-    alpha = jnp.exp(m - m_safe)  # [bq]    rescales what was accumulated so far (<= 1)
-    p = jnp.exp(s - m_safe[:, None])  # [bq, bk] this block's unnormalised probabilities
-    return m_new, alpha * l + p.sum(axis=1), alpha[:, None] * acc + p @ v_blk
-
-
-def flash_attention_head_solution(q, k, v, *, causal=False, block_q=128, block_k=128):
-    # Flash attention for one head: q [q_len, d], k, v [kv_len, d] -> [q_len, d]. Any lengths.
-    (q_len, d), kv_len = q.shape, k.shape[0]
-    block_q, block_k = min(block_q, q_len), min(block_k, kv_len)  # a short sequence is one block
-    qb = pad_to_multiple(q, 0, block_q).reshape(-1, block_q, d)  # [nq, bq, d], zero-padded
-    kb = pad_to_multiple(k, 0, block_k).reshape(-1, block_k, d)  # [nk, bk, d]
-    vb = pad_to_multiple(v, 0, block_k).reshape(-1, block_k, d)  # [nk, bk, d]
-
-    def one_q_block(i, q_blk):
-        q_pos = i * block_q + jnp.arange(block_q)[:, None]  # [bq, 1] absolute query positions
-
-        def kv_step(state, inputs):
-            j, k_blk, v_blk = inputs
-            kv_pos = j * block_k + jnp.arange(block_k)[None, :]  # [1, bk] absolute key positions
-            visible = kv_pos < kv_len  # padded keys are never visible
-            if causal:
-                visible = visible & reference.causal_visible(q_pos, kv_pos, q_len=q_len, kv_len=kv_len)
-            s = jnp.where(visible, q_blk @ k_blk.T * reference.default_scale(d), -jnp.inf)  # [bq, bk]
-            return fold_kv_block(*state, s, v_blk), None
-
-        init = (jnp.full(block_q, -jnp.inf), jnp.zeros(block_q), jnp.zeros((block_q, d)))
-        (m, l, acc), _ = jax.lax.scan(kv_step, init, (jnp.arange(len(kb)), kb, vb))
-        return acc / jnp.where(l == 0.0, 1.0, l)[:, None]  # a row that saw no key gives 0, not NaN
-
-    out = jax.lax.map(lambda args: one_q_block(*args), (jnp.arange(len(qb)), qb))  # [nq, bq, d]
-    return out.reshape(-1, d)[:q_len]  # drop the padded query rows
-
-
 # -- judging an attention output: the oracle, then what each usual mistake would have computed ------------------
 
 
-def _attend64(q, k, v, visible: np.ndarray, *, divide: bool = True) -> np.ndarray:
+def _attend64(q, k, v, visible: np.ndarray, *, divide: bool = True, scale: float | None = None) -> np.ndarray:
     """Float64 attention of one head under a ``[q_len, kv_len]`` visibility mask (rows that see nothing: 0)."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-    s = np.where(visible, q @ k.T * reference.default_scale(q.shape[1]), -np.inf)
+    s = np.where(visible, q @ k.T * (reference.default_scale(q.shape[1]) if scale is None else scale), -np.inf)
     m = s.max(axis=1, initial=-np.inf, keepdims=True)
     p = np.exp(s - np.where(np.isfinite(m), m, 0.0))
     l = p.sum(axis=1, keepdims=True)  # noqa: E741
     return p @ v / np.where(l == 0.0, 1.0, l) if divide else p @ v
 
 
-def _visible(q_len: int, kv_len: int, causal: bool, *, top_left: bool = False) -> np.ndarray:
+def _visible(q_len: int, kv_len: int, causal: bool, *, top_left: bool = False, offset: int | None = None,
+             strict: bool = False) -> np.ndarray:
+    """Which keys each query sees: all, or causal with ``offset`` (default bottom-right, ``kv_len - q_len``)."""
     rows, cols = np.arange(q_len)[:, None], np.arange(kv_len)[None, :]
     if not causal:
         return np.ones((q_len, kv_len), bool)
-    return cols <= rows if top_left else reference.causal_visible(rows, cols, q_len=q_len, kv_len=kv_len)
+    offset = (0 if top_left else kv_len - q_len) if offset is None else offset
+    return cols < rows + offset if strict else cols <= rows + offset
+
+
+def _scale_suspects(q, k, v, visible: np.ndarray) -> list[tuple[np.ndarray, str]]:
+    d = q.shape[1]
+    return [(_attend64(q, k, v, visible, scale=1.0), "the scores are not scaled: multiply q @ k.T by "
+             f"reference.default_scale(d) = 1/sqrt(d) (d = {d})"),
+            *([(_attend64(q, k, v, visible, scale=0.125), "the scale is 1/sqrt(64), section 1's global `scale` for "
+                "D = 64: compute it from q's head size, reference.default_scale(q.shape[1])")] if d != 64 else []),
+            (_attend64(q, k, v, visible, scale=1.0 / d), f"the scale is 1/d; it is 1/sqrt(d) (d = {d}), "
+             "reference.default_scale(d)")]
+
+
+def _causal_hint(got: np.ndarray, *, q, k, v) -> str:
+    """For a wrong causal output: the first wrong query row and the keys it should see."""
+    q_len, kv_len = q.shape[0], k.shape[0]
+    want = _attend64(q, k, v, _visible(q_len, kv_len, True))
+    bad = np.flatnonzero(~np.isclose(got, want, rtol=1e-3, atol=1e-4).all(axis=1))
+    if not len(bad):
+        return _RESCALE
+    row, last = int(bad[0]), int(bad[0]) + kv_len - q_len
+    if bad[-1] + kv_len - q_len < 0:
+        return (f"the first {q_len - kv_len} queries see no key and must give 0, but row {row} does not: mask with "
+                "-jnp.inf (a large finite number such as -1e30 gives such a row the mean of v) and divide by 1 "
+                "where l == 0")
+    return (f"query row {row} is wrong: it should see {f'keys 0..{last}' if last >= 0 else 'no key'} (j <= i + "
+            f"kv_len - q_len = i + {kv_len - q_len}); build the mask from absolute positions, q_pos = i * block_q + "
+            "row and kv_pos = j * block_k + col, with the real q_len and kv_len, not the padded ones")
 
 
 def _judge(out, q, k, v, *, causal: bool, where: str, suspects: Sequence[tuple[np.ndarray, str]],
-           nan_hint: str, otherwise: str) -> None:
-    """Raise :class:`CheckFailed` naming the mistake when ``out`` (one head) is not attention of ``q, k, v``."""
+           nan_hint: str, otherwise: str | Callable[[np.ndarray], str]) -> None:
+    """Raise :class:`CheckFailed` naming the mistake when ``out`` (one head) is not attention of ``q, k, v``
+    (``otherwise``: the hint when no suspect matches, or a function of the float64 output that finds one)."""
     got = np.asarray(out)
     if got.shape != q.shape:
         rows = " (the padded length: drop the padded query rows, out[:q_len])" if got.shape[:1] != q.shape[:1] else ""
         raise CheckFailed(f"failed: {where} — output shape {got.shape}, expected q's shape {q.shape}{rows}")
     if got.dtype != q.dtype:
         raise CheckFailed(f"failed: {where} — output dtype {got.dtype}, expected q's dtype {q.dtype}: the contract "
-                          "is q's dtype, so accumulate in it (np.zeros and np.full default to float64; pass "
-                          "dtype=q.dtype, or use jnp)")
+                          "is q's dtype, so accumulate in it (np.zeros and np.full default to float64, and a NumPy "
+                          "scalar such as np.sqrt(d) turns float32 into float64; pass dtype=q.dtype, or use jnp)")
     if not np.isfinite(got.astype(np.float64)).all():
         raise CheckFailed(f"failed: {where} — NaN or inf in the output: {nan_hint}")
     try:
@@ -109,7 +104,8 @@ def _judge(out, q, k, v, *, causal: bool, where: str, suspects: Sequence[tuple[n
         for candidate, mistake in suspects:
             if np.allclose(got, candidate, rtol=1e-3, atol=1e-4):
                 raise CheckFailed(f"failed: {where} — {mistake}") from None
-        raise CheckFailed(f"{failure}: {otherwise}") from None
+        raise CheckFailed(f"{failure}: {otherwise(got.astype(np.float64)) if callable(otherwise) else otherwise}") \
+            from None
 
 
 def _qkv(seed: int, q_len: int, kv_len: int, d: int = 32, spread: float = 2.0):
@@ -121,6 +117,9 @@ def _qkv(seed: int, q_len: int, kv_len: int, d: int = 32, spread: float = 2.0):
 
 _RESCALE = ("check the online update: at every key block, multiply l and acc by alpha = exp(m_old - m_new) "
             "before adding the block's p, and divide acc by l once after the last block")
+_ONE_HEAD = "check that the blocks cover every key exactly once (k[lo:lo + block_k] for lo in range(0, kv_len, " \
+            "block_k)) and the online update: multiply l and acc by alpha = exp(m_old - m_new) before adding " \
+            "the block's p, and divide acc by l once after the last block"
 
 
 # -- the puzzle --------------------------------------------------------------------------------------------
@@ -136,21 +135,34 @@ _HEAD_CASES = [  # (case in words, q_len, kv_len, causal, block_q, block_k)
 ]
 
 
-def _head_suspects(q, k, v, causal: bool, block_k: int) -> list[tuple[np.ndarray, str]]:
+def _head_suspects(q, k, v, causal: bool, block_q: int, block_k: int) -> list[tuple[np.ndarray, str]]:
     q_len, kv_len = q.shape[0], k.shape[0]
     suspects = [(_attend64(q, k, v, _visible(q_len, kv_len, causal), divide=False),
-                 "the output is not normalised: divide acc by l once, after the last key block")]
+                 "the output is not normalised: divide acc by l once, after the last key block"),
+                *_scale_suspects(q, k, v, _visible(q_len, kv_len, causal))]
+    if causal:
+        suspects.append((_attend64(q, k, v, _visible(q_len, kv_len, True, strict=True)), "query i must also see "
+                         "key j = i + kv_len - q_len, its own position: j <= i + kv_len - q_len (<=, not <)"))
     if causal and q_len != kv_len:
-        suspects.append((_attend64(q, k, v, _visible(q_len, kv_len, True, top_left=True)),
-                         "the causal mask is top-left aligned (query i sees keys j <= i); flashlib's is bottom-right: "
-                         "query i sees keys j <= i + kv_len - q_len (reference.causal_visible on absolute positions)"))
+        padded = -kv_len % min(block_k, kv_len) - -q_len % min(block_q, q_len)  # offset error from padded lengths
+        suspects += [(_attend64(q, k, v, _visible(q_len, kv_len, True, top_left=True)),
+                      "the causal mask is top-left aligned (query i sees keys j <= i); flashlib's is bottom-right: "
+                      "query i sees keys j <= i + kv_len - q_len (reference.causal_visible on absolute positions)"),
+                     (_attend64(q, k, v, _visible(q_len, kv_len, True, offset=q_len - kv_len)), "the offset is "
+                      "the wrong way round: query i sees keys j <= i + kv_len - q_len (keys' length minus queries')")]
+        if padded:
+            suspects.append((_attend64(q, k, v, _visible(q_len, kv_len, True, offset=kv_len - q_len + padded)),
+                             "the causal offset comes from the padded lengths: pass the real q_len and kv_len "
+                             "to reference.causal_visible (pad_to_multiple does not change them)"))
     for bk in sorted({block_k, min(block_k, kv_len)}):
         padded = -kv_len % bk
         if padded and not causal:
             kp, vp = (np.pad(np.asarray(x, np.float64), ((0, padded), (0, 0))) for x in (k, v))
-            suspects.append((_attend64(q, kp, vp, _visible(q_len, kv_len + padded, False)),
-                             f"the {padded} padded keys are visible: the zeros appended to k score 0 and add "
-                             "e^(0 - m) to l; mask the key positions >= kv_len (kv_pos < kv_len)"))
+            suspects += [(_attend64(q, kp, vp, _visible(q_len, kv_len + padded, False)),
+                          f"the {padded} padded keys are visible: the zeros appended to k score 0 and add "
+                          "e^(0 - m) to l; mask the key positions >= kv_len (kv_pos < kv_len)"),
+                         (_attend64(q, kp[:kv_len + 1], vp[:kv_len + 1], _visible(q_len, kv_len + 1, False)),
+                          "the first padded key (position kv_len) is visible: mask with kv_pos < kv_len, not <=")]
     return suspects
 
 
@@ -165,7 +177,8 @@ def check_flash_attention_head(head: Callable[..., Any]) -> None:
         empty = "the first q_len - kv_len queries see no key: their m stays -inf and l 0, so exponentiate against " \
                 "m_safe (0 where m is -inf) and divide by 1 where l == 0 (their output is 0)"
         _judge(out, q, k, v, causal=causal, where=f"flash_attention_head, case '{case}'",
-               suspects=_head_suspects(q, k, v, causal, block_k), otherwise=_RESCALE,
+               suspects=_head_suspects(q, k, v, causal, block_q, block_k),
+               otherwise=functools.partial(_causal_hint, q=q, k=k, v=v) if causal else _RESCALE,
                nan_hint=empty if causal and q_len > kv_len else "a tile whose keys are all masked has m = -inf "
                "for a row that has seen no key yet: exponentiate against m_safe, not m")
     _check_scratch(head)
@@ -174,11 +187,16 @@ def check_flash_attention_head(head: Callable[..., Any]) -> None:
 
 
 def _check_program_size(head: Callable[..., Any]) -> None:
-    def size(n: int) -> int:
-        x = jnp.zeros((n, 32))
-        return len(jax.make_jaxpr(functools.partial(head, block_q=32, block_k=32))(x, x, x).eqns)
+    def trace(n: int):
+        x = jnp.zeros((n, 8))  # head_dim 8: no other value has a [32, 16] or [16, 32] shape
+        return jax.make_jaxpr(functools.partial(head, block_q=32, block_k=16))(x, x, x).jaxpr
 
-    small, large = size(128), size(512)
+    jaxpr = trace(128)
+    small, large = len(jaxpr.eqns), len(trace(512).eqns)
+    if not any(shape[-2:] in ((32, 16), (16, 32)) for shape in _shapes(jaxpr)):
+        raise CheckFailed("failed: flash_attention_head, block sizes — called with block_q=32, block_k=16 it computes "
+                          "no [32, 16] tile of scores: use the block_q and block_k it is given (clamped to the "
+                          "lengths), not fixed sizes such as section 1's BLOCK")
     if large > 1.5 * small:
         raise CheckFailed(f"failed: flash_attention_head, traced program — {small} operations at N = 128, {large} at "
                           "N = 512: a Python loop over blocks is unrolled; loop over the key blocks with jax.lax.scan "
@@ -196,8 +214,9 @@ def _check_scratch(head: Callable[..., Any]) -> None:
     small, large = scratch_bytes(fn, 1024, 64), scratch_bytes(fn, 4096, 64)
     if large > 2 * small:
         raise CheckFailed(f"failed: flash_attention_head, scratch memory — {small} bytes at N = 1024, {large} at "
-                          "N = 4096: visit the query blocks one after another with jax.lax.map (jax.vmap over them "
-                          "holds every query block's [block_q, block_k] tile at once)")
+                          "N = 4096: hold one [block_q, block_k] tile at a time, so visit the query blocks one after "
+                          "another with jax.lax.map and fold the key blocks in one by one with jax.lax.scan (jax.vmap "
+                          "over either holds all their tiles at once)")
 
 
 FLASH_ATTENTION_HEAD = Puzzle(
@@ -222,10 +241,25 @@ FLASH_ATTENTION_HEAD = Puzzle(
 # -- exercise 1: one head from scratch ---------------------------------------------------------------------
 
 
-def _tail_dropped(q, k, v, block_k: int) -> np.ndarray:
-    whole = k.shape[0] // block_k * block_k
-    visible = np.arange(k.shape[0])[None, :] < whole
-    return _attend64(q, k, v, np.broadcast_to(visible, (q.shape[0], k.shape[0])))
+def _first_keys(q, k, v, n: int) -> np.ndarray:
+    """Attention to the first ``n`` keys only."""
+    return _attend64(q, k, v, np.broadcast_to(np.arange(k.shape[0])[None, :] < n, (q.shape[0], k.shape[0])))
+
+
+def _one_head_suspects(q, k, v, block_k: int) -> list[tuple[np.ndarray, str]]:
+    """What exercise 1's usual mistakes compute (no mask, ``kv_len = 75``, ``q_len = 50``)."""
+    q_len, kv_len, padded = q.shape[0], k.shape[0], -k.shape[0] % block_k
+    kp, vp = (np.pad(np.asarray(x, np.float64), ((0, padded), (0, 0))) for x in (k, v))
+    return [(_attend64(q, k, v, _visible(q_len, kv_len, False), divide=False),
+             "the output is not normalised: divide acc by l once, after the last key block"),
+            (_first_keys(q, k, v, kv_len // block_k * block_k), "the keys past the last whole block are missing: "
+             "loop over range(0, kv_len, block_k); the last block is shorter (k[lo:lo + block_k] slices it)"),
+            (_first_keys(q, k, v, q_len), f"only the first q_len = {q_len} keys are attended: loop over the keys, "
+             f"range(0, k.shape[0], block_k) (kv_len = {kv_len})"),
+            *([(_attend64(q, kp, vp, _visible(q_len, kv_len + padded, False)), f"the {padded} zero rows padded onto k "
+                "score 0, and each adds e^(0 - m) to l: mask them (-inf), or slice the short last block instead")]
+              if padded else []),
+            *_scale_suspects(q, k, v, _visible(q_len, kv_len, False))]
 
 
 def _shapes(jaxpr) -> set[tuple[int, ...]]:
@@ -264,11 +298,8 @@ def check_one_head(fn: Callable[..., Any], blocks_k: Sequence[int] = (25, 32, 10
         how = ("divides" if 75 % block_k == 0 else "is larger than") if block_k >= 75 or 75 % block_k == 0 \
             else "does not divide"
         where = f"exercise 1, case 'block_k = {block_k} {how} kv_len = 75'"
-        _judge(fn(q, k, v, block_k), q, k, v, causal=False, where=where, otherwise=_RESCALE,
-               suspects=[(_attend64(q, k, v, _visible(50, 75, False), divide=False),
-                          "the output is not normalised: divide acc by l once, after the last key block"),
-                         (_tail_dropped(q, k, v, block_k), "the keys past the last whole block are missing: loop "
-                          "over range(0, kv_len, block_k); the last block is shorter (k[lo:lo + block_k] slices it)")],
+        _judge(fn(q, k, v, block_k), q, k, v, causal=False, where=where, otherwise=_ONE_HEAD,
+               suspects=_one_head_suspects(q, k, v, block_k),
                nan_hint="if no key block was visited, l is still 0: with block_k > kv_len (or a partial last "
                "block) the loop must still visit the shorter block, range(0, kv_len, block_k)")
     print(f"passed: exercise 1, one head matches the float64 oracle for block_k = {', '.join(map(str, blocks_k))} "
@@ -289,10 +320,13 @@ def check_lse(fn: Callable[..., Any], blocks_k: Sequence[int] = (32, 100)) -> No
     for block_k in blocks_k:
         where = f"exercise 2, case 'block_k = {block_k}'"
         answer = fn(q, k, v, block_k)
-        if not isinstance(answer, tuple) or len(answer) != 2:
+        if not isinstance(answer, (tuple, list)) or len(answer) != 2:
             raise CheckFailed(f"failed: {where} — return a pair (out, lse), got {type(answer).__name__}")
         out, lse = answer
-        _judge(out, q, k, v, causal=False, where=where, suspects=[], otherwise=_RESCALE, nan_hint=_RESCALE)
+        if np.shape(out) == want.shape and np.shape(lse) == q.shape:
+            raise CheckFailed(f"failed: {where} — the pair is the wrong way round: return (out, lse), out first")
+        _judge(out, q, k, v, causal=False, where=where, suspects=_one_head_suspects(q, k, v, block_k),
+               otherwise=_ONE_HEAD, nan_hint=_RESCALE)
         lse = np.asarray(lse, np.float64)
         if lse.shape != want.shape:
             raise CheckFailed(f"failed: {where} — lse has shape {lse.shape}, expected ({q.shape[0]},): one number per "
@@ -345,8 +379,17 @@ def measured_exponents(n: int = 2048, block_k: int = 256) -> dict[str, tuple[flo
 def check_scratch_exponents(predicted: dict[str, Any]) -> None:
     """``{method: (a, b)}``, integers, for naive, library blockwise and ours (block_q = 128): scratch ∝ N^a · block_k^b,
     compared with XLA's measured scratch when N and block_k double (rounded to whole exponents)."""
-    if not isinstance(predicted, dict) or any(predicted.get(method) is None for method in _WHAT_EACH_HOLDS):
+    methods = ", ".join(map(repr, _WHAT_EACH_HOLDS))
+    if not isinstance(predicted, dict) or set(predicted) - set(_WHAT_EACH_HOLDS):
+        raise CheckFailed(f"failed: exercise 3 — give a dict with exactly the keys {methods}; got "
+                          f"{sorted(predicted) if isinstance(predicted, dict) else type(predicted).__name__}")
+    if all(predicted.get(method) is None for method in _WHAT_EACH_HOLDS):
         raise NotImplementedError
+    for method in _WHAT_EACH_HOLDS:
+        pair = predicted.get(method)
+        if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(isinstance(x, (int, float)) for x in pair)):
+            raise CheckFailed(f"failed: exercise 3, {method} — got {pair!r}: give two numbers (a, b), the exponents "
+                              "of N and of block_k")
     measured = measured_exponents()
     for method, (why_n, why_k) in _WHAT_EACH_HOLDS.items():
         a, b = predicted[method]

@@ -21,76 +21,17 @@ from jax.experimental.pallas import tpu as pltpu
 
 from flashlib import cost
 from flashlib.checks import CheckFailed, check_attention
+from flashlib.exercises.flash_kernel_solutions import (
+    causal_kv_index_map_solution,
+    flash_kernel_causal_solution,
+    flash_kernel_solution,
+)
 from flashlib.exercises.puzzle import Puzzle
-from flashlib.geometry import MASK_VALUE
 from flashlib.kernels import BlockSizes
 from flashlib.kernels.block_sizes import MIB, vmem_limit_bytes
 
 __all__ = ["CAUSAL_SKIPPING", "FORWARD_KERNEL", "check_budget", "check_causal", "check_counts",
            "check_forward_kernel", "check_softcap"]
-
-NT_DIMS = (((1,), (1,)), ((), ()))  # [m, d] x [n, d] -> [m, n]: q @ k.T without a transpose
-
-
-
-# -- the solutions: what the notebook's stubs ask for -------------------------------------------------------
-def flash_kernel_solution(q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref, *, scale):
-    kv_block = pl.program_id(3)
-
-    @pl.when(kv_block == 0)  # init: the first key block of this query block starts from an empty state
-    def init():
-        m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
-        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
-
-    # body, every step: fold this key block into the running state (notebook 04's update, on refs)
-    s = lax.dot_general(q_ref[...], k_ref[...], NT_DIMS, preferred_element_type=jnp.float32) * scale  # [bq, bk]
-    m_prev = m_ref[...]  # [bq, 1]
-    m_next = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
-    alpha = jnp.exp(m_prev - m_next)  # rescales what was accumulated against the old maximum
-    p = jnp.exp(s - m_next)  # [bq, bk]
-    m_ref[...] = m_next
-    l_ref[...] = alpha * l_ref[...] + p.sum(axis=1, keepdims=True)
-    acc_ref[...] = alpha * acc_ref[...] + jnp.dot(p.astype(v_ref.dtype), v_ref[...], preferred_element_type=jnp.float32)
-
-    @pl.when(kv_block == pl.num_programs(3) - 1)  # finalize: one division per row, on the last key block
-    def finalize():
-        o_ref[...] = (acc_ref[...] / l_ref[...]).astype(o_ref.dtype)
-
-
-def causal_kv_index_map_solution(b, h, i, j, *, block_q, block_k, offset):
-    last = lax.div((i + 1) * block_q - 1 + offset, block_k)  # the block of query block i's last visible key
-    return b, h, jnp.minimum(j, last), 0  # past the diagonal: repeat the block already in VMEM, no copy
-
-
-def flash_kernel_causal_solution(q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref, *, scale, offset):
-    block_q, block_k = q_ref.shape[0], k_ref.shape[0]
-    q_block, kv_block = pl.program_id(2), pl.program_id(3)
-
-    @pl.when(kv_block == 0)
-    def init():
-        m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
-        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
-
-    @pl.when(kv_block <= lax.div((q_block + 1) * block_q - 1 + offset, block_k))  # skip blocks past the diagonal
-    def body():
-        s = lax.dot_general(q_ref[...], k_ref[...], NT_DIMS, preferred_element_type=jnp.float32) * scale
-        q_pos = q_block * block_q + lax.broadcasted_iota(jnp.int32, s.shape, 0)  # [bq, bk] absolute positions
-        kv_pos = kv_block * block_k + lax.broadcasted_iota(jnp.int32, s.shape, 1)
-        s = jnp.where(kv_pos <= q_pos + offset, s, MASK_VALUE)  # finite: a masked row never makes -inf - -inf
-        m_prev = m_ref[...]
-        m_next = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
-        alpha, p = jnp.exp(m_prev - m_next), jnp.exp(s - m_next)
-        m_ref[...] = m_next
-        l_ref[...] = alpha * l_ref[...] + p.sum(axis=1, keepdims=True)
-        acc_ref[...] = alpha * acc_ref[...] + jnp.dot(p.astype(v_ref.dtype), v_ref[...],
-                                                      preferred_element_type=jnp.float32)
-
-    @pl.when(kv_block == pl.num_programs(3) - 1)  # the last grid step, skipped or not
-    def finalize():
-        o_ref[...] = (acc_ref[...] / l_ref[...]).astype(o_ref.dtype)
-
 
 
 # -- running a kernel the way the notebook's flash_call does, under TPU interpret semantics --------------------
@@ -116,6 +57,19 @@ def _call(kernel, q, k, v, *, block_q: int, block_k: int, kv_map=None, num_kv: i
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
         interpret=pltpu.InterpretParams(),
     )(q, k, v)
+
+
+def _primitives(jaxpr) -> set[str]:
+    """Every primitive's name in a jaxpr and the jaxprs inside it (pl.when branches, pallas_call bodies)."""
+    names = set()
+    for eqn in jaxpr.eqns:
+        names.add(eqn.primitive.name)
+        for param in eqn.params.values():
+            for inner in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(inner, "jaxpr", inner)
+                if hasattr(inner, "eqns"):
+                    names |= _primitives(inner)
+    return names
 
 
 def _kernel_conds(kernel, q, k, v, **blocks) -> int:
@@ -177,15 +131,36 @@ _NAN_STATE = ("NaN in the output: scratch starts as garbage (NaN under Interpret
 _FORWARD_CASES = [  # (words, q_len, kv_len, block_q, block_k, dtype)
     ("128 queries, 384 keys: three key blocks", 128, 384, 64, 128, jnp.float32),
     ("192 queries, 128 keys: one key block, init and finalize on the same step", 192, 128, 64, 128, jnp.float32),
-    ("128 queries, 256 keys in bfloat16", 128, 256, 64, 128, jnp.bfloat16),
+    ("128 queries, 256 keys in bfloat16, 128 x 128 blocks", 128, 256, 128, 128, jnp.bfloat16),
+    (_EXTREME := "scores near +180 in even rows' key blocks 0 and 2, near -180 everywhere else, 32 x 128 blocks",
+     128, 384, 32, 128, jnp.float32),
 ]
+
+
+def _extreme_qkv(seed: int):
+    """Even rows score about +181 on key blocks 0 and 2 and -181 on block 1 (exp overflows unless shifted by the
+    running max); odd rows score about -181 everywhere (exp(s - 0) underflows to 0: m must start at -inf)."""
+    q, k, v = _qkv(seed, 128, 384)
+    u, w = (jnp.arange(32) < 16).astype(jnp.float32), (jnp.arange(32) >= 16).astype(jnp.float32)
+    rows, sign = jnp.arange(128)[:, None], jnp.where((jnp.arange(384) // 128)[:, None] == 1, -1.0, 1.0)
+    return q + 8 * jnp.where(rows % 2 == 0, u, w), k + 8 * (sign * u - w), v
 
 
 def check_forward_kernel(kernel: Callable) -> None:
     """``kernel(q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref, *, scale)`` on the notebook's grid, non-causal."""
     for seed, (case, q_len, kv_len, bq, bk, dtype) in enumerate(_FORWARD_CASES):
-        q, k, v = _qkv(seed, q_len, kv_len, dtype)
+        q, k, v = _extreme_qkv(seed) if case == _EXTREME else _qkv(seed, q_len, kv_len, dtype)
         out = _call(kernel, q, k, v, block_q=bq, block_k=bk)
+        nan_rows = np.flatnonzero(~np.isfinite(np.asarray(out, np.float64)[0, 0]).all(axis=1))
+        if case == _EXTREME and nan_rows.size and (nan_rows % 2 == 0).any():
+            raise CheckFailed(f"failed: forward kernel, case '{case}' — NaN in rows whose scores reach +180: exp "
+                              "overflows unless every exponent is shifted by the RUNNING maximum, m_next = "
+                              "max(m_prev, this block's row max) (this block's max alone makes alpha = "
+                              "exp(m_prev - m_next) overflow when a later block scores lower)")
+        if case == _EXTREME and nan_rows.size:
+            raise CheckFailed(f"failed: forward kernel, case '{case}' — NaN in the rows whose scores are all near "
+                              "-180: with m starting at 0, exp(s - m) underflows to 0 and l stays 0; start m at "
+                              "-inf, so the first block's own maximum becomes m")
         if _fits(out, q, k, v):
             if seed == 0 and _kernel_conds(kernel, q, k, v, block_q=bq, block_k=bk) < 2:
                 raise CheckFailed(
@@ -202,10 +177,11 @@ def check_forward_kernel(kernel: Callable) -> None:
             (_blockwise(s, v, bk, rescale=False), "l and acc are not rescaled when the maximum grows: multiply "
              "them by alpha = exp(m_prev - m_next) before adding this block's sums"),
             (_blockwise(s, v, bk, divide=False), "the output is acc, not acc / l: divide by l in finalize"),
+            (_softmax_out(s * q.shape[-1] ** 0.5, v), "the scores are not scaled: multiply q k^T by scale"),
         ], "the output is not softmax attention: check the online update (m, then l and acc rescaled by "
             "alpha, then p @ v) and that o_ref is written on the last key block")
     print(f"passed: forward kernel matches attention in all {len(_FORWARD_CASES)} cases (one key block, three, "
-          "bfloat16), with init and finalize under pl.when")
+          "bfloat16, scores near +-180), with init and finalize under pl.when")
 
 
 FORWARD_KERNEL = Puzzle(
@@ -258,7 +234,8 @@ def _check_index_map(index_map: Callable) -> list[list[int]]:
     name = f"failed: causal index map, case '{case}' — step (i={i}, j={j})"
     if j <= last:
         raise CheckFailed(f"{name} computes (query block {i} sees key blocks 0 to {last}), so it must read block "
-                          f"{j}, not {block}: is the clamp too low?")
+                          f"{j}, not {block}: is the clamp too low? (last = ((i + 1) * block_q - 1 + offset) // "
+                          "block_k, offset included)")
     if unclamped:
         raise CheckFailed(f"{name} is skipped (query block {i} sees key blocks 0 to {last}) but names block {j}: "
                           "the index map is not clamped, so Pallas copies a block nobody uses; name "
@@ -278,6 +255,16 @@ def check_causal(answer) -> None:
         raise CheckFailed("failed: causal skipping — give the pair (causal_kv_index_map, flash_kernel_causal)")
     index_map, kernel = answer
     named = _check_index_map(index_map)
+    case, q_len, kv_len, bq, bk = _CAUSAL_CASES[0]
+    q, k, v = _qkv(0, q_len, kv_len)
+    blocks = dict(block_q=bq, block_k=bk, offset=kv_len - q_len)
+    for part, jaxpr in (("index map", jax.make_jaxpr(lambda i, j: index_map(0, 0, i, j, **blocks))(0, 0).jaxpr),
+                        ("kernel", jax.make_jaxpr(lambda q, k, v: _call(functools.partial(
+                            kernel, offset=kv_len - q_len), q, k, v, block_q=bq, block_k=bk))(q, k, v).jaxpr)):
+        if "sign" in _primitives(jaxpr):
+            raise CheckFailed(f"failed: causal skipping — the {part} divides a traced int with "
+                              "//, which lowers through sign(): Mosaic could not lower that when section 7 "
+                              "compiles your kernel for a TPU v5e; divide with lax.div (both operands >= 0 here)")
     for seed, (case, q_len, kv_len, bq, bk) in enumerate(_CAUSAL_CASES):
         q, k, v = _qkv(seed, q_len, kv_len)
         offset, num_kv = kv_len - q_len, kv_len // bk
@@ -324,12 +311,12 @@ CAUSAL_SKIPPING = Puzzle(
 
 
 # -- exercise 1: softcapping -----------------------------------------------------------------------------------
-SOFTCAP, _SOFTCAP_CASES = 2.0, [("128 queries, 256 keys", 128, 256), ("64 queries, 384 keys", 64, 384)]
+_SOFTCAP_CASES = [("128 queries, 256 keys, cap 2", 128, 256, 2.0), ("64 queries, 384 keys, cap 1", 64, 384, 1.0)]
 
 
-def check_softcap(kernel: Callable, cap: float = SOFTCAP) -> None:
+def check_softcap(kernel: Callable) -> None:
     """``kernel(..., *, scale, cap)``: the forward kernel with scores capped, ``s -> cap * tanh(s / cap)``."""
-    for seed, (case, q_len, kv_len) in enumerate(_SOFTCAP_CASES):
+    for seed, (case, q_len, kv_len, cap) in enumerate(_SOFTCAP_CASES):
         q, k, v = _qkv(10 + seed, q_len, kv_len)
         out = _call(functools.partial(kernel, cap=cap), q, k, v, block_q=64, block_k=128)
         if _near(out, _softmax_out(_scores64(q, k, cap), v), jnp.float32):
@@ -341,8 +328,13 @@ def check_softcap(kernel: Callable, cap: float = SOFTCAP) -> None:
              "scale q k^T first, then cap"),
             (_softmax_out(_scores64(q, k, cap, times_cap=False), v), "tanh(s / cap) lies in (-1, 1): multiply it "
              "by cap"),
+            *[(_softmax_out(_scores64(q, k, other), v), f"this is the cap {other:g} of the case before: use the "
+               "kernel's cap argument, not a number") for other in {c for *_, c in _SOFTCAP_CASES} - {cap}],
+            (_softmax_out(np.clip(_scores64(q, k), -cap, cap), v), "the scores are clipped to [-cap, cap]: the "
+             "softcap is smooth, cap * tanh(s / cap)"),
         ], "the output is not softcapped attention (compared with a float64 reference)")
-    print(f"passed: softcapped kernel matches the float64 reference (cap {cap:g}) in all {len(_SOFTCAP_CASES)} cases")
+    print(f"passed: softcapped kernel matches the float64 reference (caps 2 and 1) in all {len(_SOFTCAP_CASES)} "
+          "cases")
 
 
 
@@ -352,6 +344,9 @@ def check_counts(answer, tokens: int = 1024, block_q: int = 128, block_k: int = 
     (skipped, copies), blocks = (int(x) for x in answer), (tokens, tokens, block_q, block_k)
     total, visited = (tokens // block_q) * (tokens // block_k), cost.visited_blocks(*blocks, causal=True)
     name = "failed: skipped steps and k block copies"
+    if (skipped, copies) == (cost.kv_block_fetches(*blocks, causal=True), total - visited):
+        raise CheckFailed(f"{name} — ({skipped}, {copies}) is the right pair in the wrong order: (skipped steps, "
+                          "k block copies)")
     if skipped != total - visited:
         hint = (f"{skipped} is the number of steps that run; skipped = the {total} steps minus those"
                 if skipped == visited else "whole key blocks skip; the visible key blocks of query block i are 0 .. "

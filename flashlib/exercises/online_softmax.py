@@ -68,8 +68,9 @@ def check_merge_ml(merge_ml: Callable[[Any, Any, Any, Any], tuple[Any, Any]]) ->
             raise CheckFailed(f"failed: merge_ml, case '{case}' — NaN in the result: an empty side has m = -inf, "
                               "and -inf - (-inf) is NaN; exponentiate against a safe maximum (0 where m is -inf)")
         if m.shape != want_m.shape or not np.array_equal(m, want_m):
-            raise CheckFailed(f"failed: merge_ml, case '{case}' — m is {m}, expected {want_m}: the merged maximum "
-                              "is the larger of the two, row by row")
+            if _close(m, want_l) and _close(l, want_m):
+                raise CheckFailed(f"failed: merge_ml, case '{case}' — the result is (l, m): return m first, then l")
+            raise CheckFailed(f"failed: merge_ml, case '{case}' — m is {m}, expected {want_m}: " + _empty_m(m, want_m))
         if not np.allclose(l, want_l, rtol=1e-6, atol=0.0):
             raise CheckFailed(f"failed: merge_ml, case '{case}' — l is {l}, expected {want_l}: each side's sum must "
                               "be rescaled to the new maximum, l = l_a e^(m_a - m) + l_b e^(m_b - m)")
@@ -114,6 +115,9 @@ def _check_tree(merge_tree: Callable[..., SoftmaxState], chunks: int) -> None:
     for order, given in (("in order", states), ("reversed", states[::-1]), ("shuffled", shuffled)):
         merge = _Depth()
         result = merge_tree(list(given), merge=merge)
+        if not isinstance(result, SoftmaxState):
+            raise CheckFailed(f"failed: merge_tree, {chunks} states {order} — got {type(result).__name__}: return "
+                              "the one SoftmaxState left at the top of the tree")
         got = np.asarray(reference.state_output(result), np.float64)
         if not np.allclose(got, np.asarray(want, np.float64), atol=1e-5):
             raise CheckFailed(
@@ -147,6 +151,16 @@ _DIVIDED = ("acc is already divided by l: keep acc the unnormalised sum of e^(s 
             "it; the division comes once, at the very end (reference.state_output)")
 
 
+def _empty_m(m: np.ndarray, want_m: np.ndarray) -> str:
+    """Why ``m`` is wrong: the safe maximum returned on a row that has seen no key, or else not the larger one."""
+    empty = np.isneginf(want_m)
+    if m.shape == want_m.shape and empty.any() and np.isfinite(m[empty]).all() and np.allclose(m[~empty],
+                                                                                            want_m[~empty]):
+        return ("a row that has seen no key keeps m = -inf; the safe maximum (0 there) is only what you "
+                "exponentiate against: return the maximum itself")
+    return "the new maximum is the larger of the two maxima, row by row"
+
+
 def _close(got: np.ndarray, want: np.ndarray) -> bool:
     return got.shape == want.shape and bool(np.allclose(got, want, rtol=1e-5, atol=1e-6))
 
@@ -174,8 +188,7 @@ def _judge(what: str, case: str, answer: Any, want: SoftmaxState, rules: tuple[s
     if nan_rows.any():
         raise failed(_NAN if (nan_rows & np.isneginf(want_m)).any() else _NAN_FACTOR)
     if not np.allclose(m, want_m, rtol=1e-6, atol=0.0):
-        raise failed(f"m is {np.round(m, 4)}, expected {np.round(want_m, 4)}: the new maximum is the larger of the "
-                     "two maxima, row by row")
+        raise failed(f"m is {np.round(m, 4)}, expected {np.round(want_m, 4)}: {_empty_m(m, want_m)}")
     if not _close(acc, want_acc) and _close(acc, want_acc / np.where(want_l > 0, want_l, 1.0)[:, None]):
         raise failed(_DIVIDED)
     for name, got, expected, rule in (("l", l, want_l, rules[0]), ("acc", acc, want_acc, rules[1])):
@@ -304,19 +317,20 @@ def _spans(blocks: Sequence[Sequence[int]]) -> str:
 def check_online_attention_row_reversed(row_reversed: Callable[..., Any]) -> None:
     """``row_reversed(s, v, block, update=...)``: attention of one row of scores ``s [n]`` over values ``v [n, d]``,
     folding section 5's blocks (keys ``lo`` to ``lo + block - 1``) with ``update`` from the last to the first."""
-    for keys, block in ((16, 4), (16, 1), (16, 3), (10, 4)):
-        _check_reversed(row_reversed, keys, block)
+    for keys, block, shift in ((16, 4, 0), (16, 1, 0), (16, 3, 0), (10, 4, 0), (12, 5, -120)):
+        _check_reversed(row_reversed, keys, block, shift)
     print("passed: online_attention_row_reversed folds the blocks from the last to the first and gives attention "
-          "over the row (16 keys in blocks of 4, 1 and 3; 10 keys in blocks of 4)")
+          "over the row (16 keys in blocks of 4, 1 and 3; 10 keys in blocks of 4; scores near -120)")
 
 
-def _check_reversed(row_reversed: Callable[..., Any], keys: int, block: int) -> None:
+def _check_reversed(row_reversed: Callable[..., Any], keys: int, block: int, shift: float) -> None:
     rng = np.random.default_rng(keys * 10 + block)
-    s = rng.normal(size=keys).astype(np.float32).astype(np.float64) * 2.0  # distinct, exact in float32
+    s = (rng.normal(size=keys) * 2.0 + shift).astype(np.float32).astype(np.float64)  # distinct, exact in float32
     v = rng.normal(size=(keys, 8))
     record = _Recorder(s)
     out = row_reversed(s, v, block, update=record)
-    case = f"failed: online_attention_row_reversed, case '{keys} keys in blocks of {block}' — "
+    case = f"failed: online_attention_row_reversed, case '{keys} keys in blocks of {block}" + (
+        f", every score near {shift}' — " if shift else "' — ")
     want = [list(range(lo, min(lo + block, keys))) for lo in range(0, keys, block)][::-1]
     if not record.blocks:
         raise CheckFailed(case + "update was never called: fold each block into the state with "
@@ -334,6 +348,9 @@ def _check_reversed(row_reversed: Callable[..., Any], keys: int, block: int) -> 
                           "(keys lo to lo + block - 1 for lo = 0, block, 2 block, ...; only the last one may be "
                           "shorter), from the last to the first")
     out = np.asarray(out, np.float64)
+    if shift and out.shape == (v.shape[1],) and not out.any():
+        raise CheckFailed(case + "the output is zeros: e^(s - m) underflowed to 0, so m did not start at -inf; start "
+                          "from the empty state, SoftmaxState(m=jnp.full(1, -jnp.inf), l=jnp.zeros(1), acc=...)")
     if out.shape != (v.shape[1],) or not np.allclose(out, _row_attention(s, v), rtol=1e-5, atol=1e-5):
         raise CheckFailed(case + f"the output (shape {out.shape}) is not attention over the row, a vector of "
                           f"{v.shape[1]}: the blocks are right, so look at what goes with them: the values of the "

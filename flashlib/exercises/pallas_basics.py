@@ -22,9 +22,10 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-import flashlib
 from flashlib.checks import CheckFailed
+from flashlib.exercises.pallas_basics_solutions import add_bias_solution, matmul_kernel_solution, matmul_solution
 from flashlib.exercises.puzzle import Puzzle
+from flashlib.exercises.start_here import traced_eqns
 
 __all__ = ["ADD_BIAS", "TILED_MATMUL", "check_add_bias", "check_count_copies", "check_matmul_bias", "check_row_sum",
            "check_tiled_matmul"]
@@ -58,25 +59,17 @@ def _changes(blocks: Sequence[Point]) -> int:
     return 1 + sum(a != b for a, b in zip(blocks, blocks[1:], strict=False))
 
 
-def _eqns(jaxpr) -> Iterator[Any]:
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns") and eqn.primitive.name != "pallas_call":
-                    yield from _eqns(inner)
-
-
 def _inspect(name: str, fn: Callable[..., Any], inputs: int, *args, **kwargs) -> _Call:
     """The single ``pallas_call`` that ``fn(*args, **kwargs)`` makes, with ``inputs`` inputs."""
-    calls = [e for e in _eqns(jax.make_jaxpr(lambda *a: fn(*a, **kwargs))(*args).jaxpr)
+    calls = [e for e in traced_eqns(jax.make_jaxpr(lambda *a: fn(*a, **kwargs))(*args).jaxpr)
              if e.primitive.name == "pallas_call"]
     grid_mapping = calls[0].params["grid_mapping"] if len(calls) == 1 else None
-    if grid_mapping is None or grid_mapping.num_inputs != inputs:
-        found = f"{len(calls)} pallas_calls" if grid_mapping is None else f"{grid_mapping.num_inputs} kernel inputs"
-        raise CheckFailed(f"failed: {name} — {found}, expected one pallas_call taking the {inputs} arrays given: do "
-                          "all the work inside the kernel, not with jnp outside it")
+    shapes, given = [tuple(v.aval.shape) for v in calls[0].invars[-inputs:]] if calls else [], [a.shape for a in args]
+    if grid_mapping is None or grid_mapping.num_inputs != inputs or shapes != given:
+        found = (f"{len(calls)} pallas_calls" if grid_mapping is None else f"{grid_mapping.num_inputs} kernel inputs"
+                 if grid_mapping.num_inputs != inputs else f"kernel inputs of shapes {shapes}")
+        raise CheckFailed(f"failed: {name} — {found}, expected one pallas_call taking the {inputs} arrays given, as "
+                          f"they are ({given}): do all the work inside the kernel, not with jnp outside it")
     params = calls[0].params.get("compiler_params")
     if isinstance(params, dict) or hasattr(params, "values"):  # jax 0.7.2: {"mosaic_tpu": CompilerParams(...)}
         params = next(iter(params.values()), None)
@@ -88,8 +81,7 @@ def _inspect(name: str, fn: Callable[..., Any], inputs: int, *args, **kwargs) ->
     semantics = getattr(params, "dimension_semantics", None) or ("arbitrary",) * len(grid)
     maps = tuple(lambda *p, c=m.index_map_jaxpr: tuple(int(v) for v in jax.core.eval_jaxpr(c.jaxpr, c.consts, *p))
                  for m in grid_mapping.block_mappings)
-    return _Call(grid, maps,
-                 tuple("parallel" if "parallel" in str(s).lower() else "arbitrary" for s in semantics))
+    return _Call(grid, maps, tuple("parallel" if "parallel" in str(s).lower() else "arbitrary" for s in semantics))
 
 
 _OUT_OF_BOUNDS = re.compile(r'Out-of-bounds block index (\([^)]*\)) for (\w+) "([^"]+)" in iteration (\([^)]*\))'
@@ -135,33 +127,39 @@ def _ints(rng: np.random.Generator, shape: tuple[int, ...], dtype=jnp.bfloat16) 
     return jnp.asarray(rng.integers(-3, 4, size=shape), dtype)
 
 
+def _float32_written(name: str, case: str, out) -> np.ndarray:
+    """``out`` as float64, checked float32 and without NaN blocks beside others (all NaN: the caller judges)."""
+    o = np.isnan(np.atleast_2d(np.asarray(out, np.float64)))  # blocks of 128 x 128, whatever the shape
+    nan = np.array([[o[r:r + 128, c:c + 128].any() for c in range(0, o.shape[1], 128)] for r in range(0, len(o), 128)])
+    if out.dtype != jnp.float32:
+        raise CheckFailed(f"failed: {name}, case '{case}' — output dtype {out.dtype}, expected float32: out_shape is "
+                          "jax.ShapeDtypeStruct((m, n), jnp.float32), like the accumulator (bf16 rounds the sums)")
+    if nan.any() and not nan.all():
+        raise CheckFailed(f"failed: {name}, case '{case}' — output blocks "
+                          f"{list(map(tuple, np.argwhere(nan).tolist()))} are never written (NaN): the grid must "
+                          "cover every output block, (M // block, N // block, K // block) from x's and y's shapes")
+    return np.asarray(out, np.float64)
+
+
 # -- puzzle 1: a bias row that stays put ---------------------------------------------------------------------
-
-
-def add_bias_solution(x, b, *, interpret=None):
-    def kernel(x_ref, b_ref, o_ref):  # x_ref, o_ref: [8, 128]; b_ref: [1, 128]
-        o_ref[...] = x_ref[...] + b_ref[...]  # broadcasts over the 8 rows
-
-    if interpret is None:  # compiled on a TPU, interpreted elsewhere (the notebook's INTERPRET)
-        interpret = flashlib.env.interpret_default()
-    tile = pl.BlockSpec((8, 128), lambda j, i: (i, j))  # grid step (j, i) -> row block i, column block j
-    bias = pl.BlockSpec((1, 128), lambda j, i: (0, j))  # the same block for every inner step i
-    return pl.pallas_call(kernel, grid=(x.shape[1] // 128, x.shape[0] // 8), in_specs=[tile, bias],
-                          out_specs=tile, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=interpret)(x, b)
 
 
 def check_add_bias(add_bias: Callable[..., Any]) -> None:
     """``add_bias(x, b, interpret=...)`` in TPU interpret mode on three shapes, then how often b's block is copied."""
     x, b = jnp.zeros((16, 384), jnp.float32), jnp.zeros((1, 384), jnp.float32)  # 2 x 3 blocks, as the first case
-    call = _inspect("add_bias", add_bias, 2, x, b, interpret=pltpu.InterpretParams())
-    rng = np.random.default_rng(5)
-    maps = ("each index map gets the grid indices in the grid's order, (j, i), and returns one block index per "
-            "array dimension, (row block, column block); b has a single row of blocks")
+    call, rng = _inspect("add_bias", add_bias, 2, x, b, interpret=pltpu.InterpretParams()), np.random.default_rng(5)
+    maps = ("the grid is (x.shape[1] // 128, x.shape[0] // 8), from x's shape; each index map gets the grid indices "
+            "in the grid's order, (j, i), and returns one block index per array dimension, (row block, column block); "
+            "b has a single row of blocks")
     for case, (m, n) in [("x [16, 384]: 2 row blocks, 3 column blocks", (16, 384)),
                          ("x [32, 512]: 4 x 4 blocks", (32, 512)), ("x [8, 256]: one row block", (8, 256))]:
         x, b = jnp.asarray(rng.normal(size=(m, n)), jnp.float32), jnp.asarray(rng.normal(size=(1, n)), jnp.float32)
         with _tpu_interpret("add_bias", case, maps):
             got = add_bias(x, b, interpret=pltpu.InterpretParams())
+        if np.isnan(np.asarray(got)).any():
+            raise CheckFailed(f"failed: add_bias, case '{case}' — NaN in the output: a block read past b's one row "
+                              "(b's blocks are (1, 128), not (8, 128)), or an output block was never written (x's "
+                              "and the output's maps name block (i, j))")
         _values("add_bias", case, got, np.asarray(x) + np.asarray(b), "that block got another block's x or "
                 "b: x's and the output's maps name the same block (i, j), b's map names column block j", atol=1e-6)
     copies, blocks = call.copies(1)
@@ -184,42 +182,10 @@ ADD_BIAS = Puzzle("puzzle 1: add a bias row", check_add_bias, add_bias_solution,
 # -- puzzle 2: the tiled matmul, accumulator in scratch ----------------------------------------------------------
 
 
-def matmul_kernel_solution(x_ref, y_ref, o_ref, acc_ref):  # x [bm, bk], y [bk, bn], o [bm, bn]; acc [bm, bn] f32
-    k = pl.program_id(2)
-
-    @pl.when(k == 0)
-    def init():
-        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
-
-    acc_ref[...] += jnp.dot(x_ref[...], y_ref[...], preferred_element_type=jnp.float32)  # on the MXU
-
-    @pl.when(k == pl.num_programs(2) - 1)
-    def finalize():
-        o_ref[...] = acc_ref[...].astype(o_ref.dtype)
-
-
-def matmul_solution(x, y, *, kernel=matmul_kernel_solution, block=128, semantics=("parallel", "parallel", "arbitrary"),
-                    interpret=None):
-    if interpret is None:  # compiled on a TPU, interpreted elsewhere (the notebook's INTERPRET)
-        interpret = flashlib.env.interpret_default()
-    (m, kk), n = x.shape, y.shape[1]
-    return pl.pallas_call(
-        kernel,
-        grid=(m // block, n // block, kk // block),
-        in_specs=[pl.BlockSpec((block, block), lambda i, j, k: (i, k)),
-                  pl.BlockSpec((block, block), lambda i, j, k: (k, j))],
-        out_specs=pl.BlockSpec((block, block), lambda i, j, k: (i, j)),  # ignores k: stays in VMEM
-        out_shape=jax.ShapeDtypeStruct((m, n), jnp.float32),
-        scratch_shapes=[pltpu.VMEM((block, block), jnp.float32)],
-        compiler_params=pltpu.CompilerParams(dimension_semantics=semantics),
-        interpret=interpret,
-    )(x, y)
-
-
 def _spied_matmul(kernel, x, y, block: int = 128):
-    """``kernel`` on the right grid, and the most steps before the last k that changed an ``o_ref`` (bitwise)."""
+    """``kernel`` on the right grid: output, o_ref stores before the last k, last acc_ref, any dot below float32."""
 
-    def spy(x_ref, y_ref, o_ref, early_ref, acc_ref):  # outputs come before scratch
+    def spy(x_ref, y_ref, o_ref, early_ref, last_acc_ref, acc_ref):  # outputs come before scratch
         k = pl.program_id(2)
 
         @pl.when(k == 0)
@@ -230,18 +196,24 @@ def _spied_matmul(kernel, x, y, block: int = 128):
         kernel(x_ref, y_ref, o_ref, acc_ref)
         stored = jnp.any(jax.lax.bitcast_convert_type(o_ref[...], jnp.int32) != before)
         early_ref[...] += jnp.where(stored & (k < pl.num_programs(2) - 1), 1, 0)
+        last_acc_ref[...] = acc_ref[...]
 
     (m, kk), n = x.shape, y.shape[1]
     grid, tile = (m // block, n // block, kk // block), (block, block)
-    out, early = pl.pallas_call(
+    call = pl.pallas_call(
         spy, grid=grid, in_specs=[pl.BlockSpec(tile, lambda i, j, k: (i, k)),
                                   pl.BlockSpec(tile, lambda i, j, k: (k, j))],
-        out_specs=[pl.BlockSpec(tile, lambda i, j, k: (i, j)), pl.BlockSpec((8, 128), lambda i, j, k: (i, j))],
+        out_specs=[pl.BlockSpec(tile, lambda i, j, k: (i, j)), pl.BlockSpec((8, 128), lambda i, j, k: (i, j)),
+                   pl.BlockSpec(tile, lambda i, j, k: (i, j))],
         out_shape=[jax.ShapeDtypeStruct((m, n), jnp.float32),
-                   jax.ShapeDtypeStruct((8 * grid[0], 128 * grid[1]), jnp.int32)],
+                   jax.ShapeDtypeStruct((8 * grid[0], 128 * grid[1]), jnp.int32),
+                   jax.ShapeDtypeStruct((m, n), jnp.float32)],
         scratch_shapes=[pltpu.VMEM(tile, jnp.float32)], interpret=pltpu.InterpretParams(),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")))(x, y)
-    return out, int(np.asarray(early).max())
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")))
+    body = next(e for e in jax.make_jaxpr(call)(x, y).eqns if e.primitive.name == "pallas_call").params["jaxpr"]
+    narrow = any(e.primitive.name == "dot_general" and e.outvars[0].aval.dtype != "float32" for e in traced_eqns(body))
+    out, early, last_acc = call(x, y)
+    return out, int(np.asarray(early).max()), np.asarray(last_acc), narrow
 
 
 def _check_kernel(kernel) -> None:
@@ -251,14 +223,21 @@ def _check_kernel(kernel) -> None:
                               (128, 128, 256))]:
         x, y = _ints(rng, (m, kk)), _ints(rng, (kk, n))
         with _tpu_interpret("matmul_kernel", case, "the kernel reads and writes whole blocks: x_ref[...], o_ref[...]"):
-            out, early = _spied_matmul(kernel, x, y)
+            out, early, last_acc, narrow = _spied_matmul(kernel, x, y)
         got, name = np.asarray(out, np.float64), "matmul_kernel"
         x64, y64 = np.asarray(x, np.float64), np.asarray(y, np.float64)
         terms = [x64[:, s:s + 128] @ y64[s:s + 128] for s in range(0, kk, 128)]
+        if np.isnan(got).all() and not np.isnan(last_acc).any():
+            raise CheckFailed(f"failed: {name}, case '{case}' — o_ref is never written (NaN), though acc_ref holds a "
+                              "sum: finalize must run on the last k step, pl.when(k == pl.num_programs(2) - 1), "
+                              "whatever the number of k steps")
         if np.isnan(got).any():
             raise CheckFailed(f"failed: {name}, case '{case}' — NaN in the output: TPU interpret mode fills fresh "
                               "scratch with NaN (a TPU leaves garbage there): zero acc_ref under pl.when(k == 0) "
                               "before the first +=")
+        if len(terms) > 1 and np.array_equal(got, terms[-1]) and early == len(terms) - 1:
+            raise CheckFailed(f"failed: {name}, case '{case}' — init and finalize ran on every k step (the output, "
+                              "stored every step, is the last product): k is pl.program_id(2), the last grid axis")
         for wrong, hint in [(terms[-1], "only the last k step's product reached the output: add into acc_ref "
                              "(+=) on every step, do not overwrite it"),
                             (sum(terms[:-1]), "the last k step's product is missing: accumulate before finalize "
@@ -269,6 +248,9 @@ def _check_kernel(kernel) -> None:
                 raise CheckFailed(f"failed: {name}, case '{case}' — {hint}")
         _values(name, case, got, sum(terms), "acc_ref[...] += jnp.dot(x_ref[...], y_ref[...], "
                 "preferred_element_type=jnp.float32) on every k step, o_ref written from acc_ref at the last")
+        if narrow:
+            raise CheckFailed(f"failed: {name}, case '{case}' — jnp.dot of the two bf16 blocks returns bf16, rounded "
+                              "before it is added: pass preferred_element_type=jnp.float32 (the MXU sums in f32)")
         if early:
             raise CheckFailed(f"failed: {name}, case '{case}' — o_ref is stored into on {early} k step(s) before the "
                               "last: the right numbers, but wasted stores; accumulate in acc_ref and write o_ref once, "
@@ -294,17 +276,25 @@ def _check_wrapper(matmul) -> None:
     if call.semantics[2] != "arbitrary":
         raise CheckFailed(f"failed: {name} — k, the reduction axis, is marked 'parallel' ({call.semantics}): its "
                           "steps share the accumulator, so they must run in order; mark it 'arbitrary'")
-    asked = ("arbitrary", "arbitrary", "arbitrary")
+    asked = ("parallel", "arbitrary", "arbitrary")  # not the default, nor what no compiler_params means
     if _inspect(name, matmul, 2, x, y, semantics=asked, interpret=True).semantics != asked:
         raise CheckFailed(f"failed: {name} — it ignores its `semantics` argument: pass compiler_params="
                           "pltpu.CompilerParams(dimension_semantics=semantics) (section 6 swaps in other semantics)")
+    maps = "the grid is (M // block, N // block, K // block); for step (i, j, k) X's block is (i, k), Y's (k, j), "
     for case, (m, kk, n) in [("grid (1, 3, 2): X [128, 256] @ Y [256, 384]", (128, 256, 384)),
                              ("grid (2, 2, 2): X [256, 256] @ Y [256, 256]", (256, 256, 256))]:
         x, y = _ints(rng, (m, kk)), _ints(rng, (kk, n))
-        with _tpu_interpret(name, case, "for step (i, j, k), X's block is (i, k), Y's (k, j), the output's (i, j)"):
+        with _tpu_interpret(name, case, maps + "the output's (i, j)"):
             got = matmul(x, y, kernel=matmul_kernel_solution, interpret=pltpu.InterpretParams())
-        _values(name, case, got, np.asarray(x, np.float64) @ np.asarray(y, np.float64),
-                "check the index maps: for step (i, j, k), X's block is (i, k), Y's (k, j), the output's (i, j)")
+        _values(name, case, _float32_written(name, case, got), np.asarray(x, np.float64) @ np.asarray(y, np.float64),
+                "check the index maps: " + maps[maps.index("for"):] + "the output's (i, j)")
+    big = _inspect(name, matmul, 2, jnp.zeros((512, 512), jnp.bfloat16), jnp.zeros((512, 256), jnp.bfloat16),
+                   kernel=matmul_kernel_solution, block=256, interpret=True).grid
+    if big != (2, 1, 2):
+        raise CheckFailed(f"failed: {name} — with block=256, X [512, 512] @ Y [512, 256] runs on the grid {big}, "
+                          "expected (2, 1, 2): " + ("it ignores its `block` argument; use it for the grid, the "
+                          "BlockSpecs and the scratch" if big == (4, 2, 4) else "the grid is (M // block, N // block, "
+                          "K // block), M and K from x's shape, N from y's"))
     print("passed: matmul in TPU interpret mode (grids (1, 3, 2) and (2, 2, 2)), k last and 'arbitrary'")
 
 
@@ -334,23 +324,25 @@ def check_matmul_bias(matmul_bias: Callable[..., Any]) -> None:
     rng, name = np.random.default_rng(8), "matmul_bias"
     x, y, bias = jnp.zeros((256, 256), jnp.bfloat16), jnp.zeros((256, 256), jnp.bfloat16), jnp.zeros((1, 256))
     _inspect(name, matmul_bias, 3, x, y, bias, interpret=pltpu.InterpretParams())
-    for case, (m, kk, n) in [("grid (2, 2, 2): X [256, 256] @ Y [256, 256]", (256, 256, 256)),
-                             ("grid (1, 3, 3): X [128, 384] @ Y [384, 384]", (128, 384, 384))]:
+    for case, (m, kk, n) in [("grid (1, 3, 3): X [128, 384] @ Y [384, 384]", (128, 384, 384)),
+                             ("grid (2, 2, 2): X [256, 256] @ Y [256, 256]", (256, 256, 256))]:
         x, y = _ints(rng, (m, kk)), _ints(rng, (kk, n))
         bias = jnp.asarray(rng.integers(1, 4, size=(1, n)), jnp.float32)
         with _tpu_interpret(name, case, "the bias [1, N] has one row of blocks of shape (1, block): for step "
                             "(i, j, k) it is block (0, j), whatever i and k"):
-            got = np.asarray(matmul_bias(x, y, bias, interpret=pltpu.InterpretParams()), np.float64)
+            got = _float32_written(name, case, matmul_bias(x, y, bias, interpret=pltpu.InterpretParams()))
         product, steps = np.asarray(x, np.float64) @ np.asarray(y, np.float64), kk // 128
         if np.isnan(got).any():
             raise CheckFailed(f"failed: {name}, case '{case}' — NaN in the output: zero the accumulator at k == 0")
-        if np.array_equal(got, product + steps * np.asarray(bias)):
-            raise CheckFailed(f"failed: {name}, case '{case}' — the bias was added {steps} times, once per k step: "
-                              "add it once, in finalize")
+        for times in range(2, steps + 2):
+            if np.array_equal(got, product + times * np.asarray(bias)):
+                raise CheckFailed(f"failed: {name}, case '{case}' — the bias was added {times} times" + (
+                    ", once per k step" if times == steps else "") + ": add it once, in finalize")
         if np.array_equal(got, product):
             raise CheckFailed(f"failed: {name}, case '{case}' — no bias in the output: add bias_ref[...] in finalize")
-        _values(name, case, got, product + np.asarray(bias), "x @ y accumulated over k, plus the bias block (0, j)")
-    print("passed: matmul_bias in TPU interpret mode (grids (2, 2, 2) and (1, 3, 3)), bias added once, in the kernel")
+        _values(name, case, got, product + np.asarray(bias), "x @ y accumulated over k, plus the bias block (0, j) "
+                "(the bias's index map is lambda i, j, k: (0, j))")
+    print("passed: matmul_bias in TPU interpret mode (grids (1, 3, 3) and (2, 2, 2)), bias added once, in the kernel")
 
 
 def check_count_copies(count_copies: Callable[[Sequence[Point], Callable[..., Point]], int]) -> None:
@@ -365,7 +357,10 @@ def check_count_copies(count_copies: Callable[[Sequence[Point], Callable[..., Po
         for label, index_map in maps.items():
             got, want = count_copies(list(visits), index_map), _changes([index_map(*p) for p in visits])
             distinct = len({index_map(*p) for p in visits})
-            hint = ("a block is copied again each time the index changes back to it, so count changes from one step "
+            row_major = _changes([index_map(*p) for p in sorted(visits)])
+            hint = ("count along `visits`, in the order given: this walk is not the grid's row-major order"
+                    if walk != "k last" and got == row_major != want else
+                    "a block is copied again each time the index changes back to it, so count changes from one step "
                     "to the next, not different blocks" if got == distinct else
                     "the first step copies its block too (+1)" if got == want - 1 else
                     "a copy happens only when the block index differs from the previous step's" if got == len(visits)
@@ -385,16 +380,21 @@ def check_row_sum(row_sum_fixed: Callable[..., Any]) -> None:
     for case, shape in [("x [16, 512]: 4 column blocks", (16, 512)), ("x [24, 384]: 3 column blocks", (24, 384))]:
         x = jnp.asarray(rng.integers(-3, 4, size=shape), jnp.float32)
         call = _inspect(name, row_sum_fixed, 1, x, interpret=pltpu.InterpretParams())
-        with _tpu_interpret(name, case, "the column axis walks x's blocks; the output has one column of blocks"):
-            got = np.asarray(row_sum_fixed(x, interpret=pltpu.InterpretParams()), np.float64)
         parallel = [axis for axis in call.ignored_axes(1) if call.semantics[axis] == "parallel"]
         if parallel:
             raise CheckFailed(f"failed: {name}, case '{case}' — grid axis {parallel[0]} carries the running sum (the "
                               f"output's index map ignores it) but is marked 'parallel' ({call.semantics}): TPU "
                               "interpret mode shuffles it and a TPU may split it; mark it 'arbitrary'")
+        with _tpu_interpret(name, case, "the column axis walks x's blocks; the output has one column of blocks"):
+            got = np.asarray(row_sum_fixed(x, interpret=pltpu.InterpretParams()), np.float64)
         if np.isnan(got).any():
             raise CheckFailed(f"failed: {name}, case '{case}' — NaN in the output: fresh scratch is NaN in TPU "
                               "interpret mode; zero acc_ref under pl.when on the first column step")
+        if np.array_equal(got[:8], np.asarray(x, np.float64)[:8, -128:].sum(axis=1, keepdims=True)):
+            raise CheckFailed(f"failed: {name}, case '{case}' — only the last column block's sum reached the output: "
+                              "acc_ref is zeroed on every column step; zero it only when the column index, "
+                              "pl.program_id(1), is 0")
         _values(name, case, got, np.asarray(x, np.float64).sum(axis=1, keepdims=True),
-                "each row's sum over every column block, accumulated in acc_ref")
+                "each row's sum over every column block: zero acc_ref when the column index, pl.program_id(1), is 0 "
+                "(for every row block), and add every column block into it")
     print("passed: row_sum_fixed in TPU interpret mode (2 shapes): accumulator initialised, column axis 'arbitrary'")

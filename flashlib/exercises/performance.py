@@ -64,6 +64,10 @@ def _choose_cases() -> list[tuple[str, Estimates, int, Any, int]]:
          [(wide, 120_000), (tall, 120_000), (small, 150_000)], 128, bf16, 16 * MIB),
         ("two candidates tie on cycles, the one needing less VMEM listed first",
          [(small, 150_000), (tall, 120_000), (wide, 120_000)], 128, bf16, 16 * MIB),
+        ("two candidates tie on cycles, the one needing less VMEM has the larger block_q (q1024/k256, 7.25 MiB)",
+         [(tall, 120_000), (BlockSizes(1024, 256), 120_000), (small, 150_000)], 128, bf16, 16 * MIB),
+        ("two candidates tie on cycles and on VMEM (q512/k512 and q128/k2048, 5.5 MiB each): the earlier wins",
+         [(big, 100_000), (small, 120_000), (BlockSizes(128, 2048), 120_000), (tall, 130_000)], 128, bf16, 16 * MIB),
         ("a candidate needs exactly the budget", [(big, 100_000), (wide, 120_000), (small, 150_000)], 128, bf16,
          wide.vmem_bytes(128, bf16)),
         ("float32 with head_dim 256, a budget of 15 MiB", [(wide, 100_000), (tall, 120_000), (small, 150_000)], 256,
@@ -119,6 +123,10 @@ def _check_choice(choose_blocks, case: str, estimates: Estimates, head_dim: int,
         raise CheckFailed(f"{fail} picked {_label(got)}, which needs {vmem[got] / MIB:.1f} MiB for head_dim={head_dim} "
                           f"{jnp.dtype(dtype).name}, over the budget of {budget / MIB:.1f} MiB: keep only candidates "
                           "with sizes.vmem_bytes(head_dim, dtype) <= budget (with the head_dim and dtype given)")
+    if cycles[got] == cycles[want] and vmem[got] == vmem[want]:
+        raise CheckFailed(f"{fail} picked {_label(got)}, but {_label(want)} comes earlier in the list, takes as few "
+                          f"cycles and needs the same {vmem[want] / MIB:.2f} MiB: of two candidates equal in both, the "
+                          "earlier wins (min keeps the first of equal keys; a loop must replace only on <, not <=)")
     if cycles[got] == cycles[want]:
         raise CheckFailed(f"{fail} picked {_label(got)} ({vmem[got] / MIB:.1f} MiB), but {_label(want)} takes as few "
                           f"cycles and needs {vmem[want] / MIB:.1f} MiB: a tie in cycles goes to the candidate needing "
@@ -152,7 +160,7 @@ CHOOSE_BLOCKS = Puzzle(
 def check_intensity(kernel_intensity: Callable[[int, int, int], float]) -> None:
     """``kernel_intensity(seq, block_q, block_k)``: FLOPs over HBM bytes of flashlib's kernel as it runs, for
     ``[1, 8, seq, 128]`` bfloat16, not causal (the blocks clamped to the sequence, padding counted)."""
-    cases = ((1000, 256, 512), (4096, 128, 1024), (300, 512, 512))
+    cases = ((1000, 256, 512), (4096, 128, 1024), (300, 512, 512), (100, 512, 512))
     for seq, block_q, block_k in cases:
         got = float(kernel_intensity(seq, block_q, block_k))
         want, mistakes = _intensities(seq, block_q, block_k)
@@ -172,7 +180,8 @@ def _intensities(seq: int, block_q: int, block_k: int) -> tuple[float, list[tupl
     flops, traffic = cost.attention_flops(*shape, fitted), cost.attention_bytes(*shape, bf16, fitted)
     mistakes = [
         (cost.attention_flops(*shape) / cost.attention_bytes(*shape, bf16),
-         "that is the ideal T/2, k and v read once; the kernel re-reads them once per query block (block_sizes=)"),
+         "that is T/2, the ideal of the unpadded sequence with k and v read once; the kernel runs whole (padded) "
+         "blocks and re-reads k and v once per query block: count with flashlib.cost, given block_sizes="),
         (1 / (1 / seq + 1 / block_q), "that is section 1's formula, which assumes lengths that are multiples of "
          "the blocks; the kernel runs whole blocks (count with flashlib.cost, given block_sizes=)"),
         (cost.attention_flops(*shape) / traffic, "the FLOPs leave out the padded blocks the kernel computes: pass "
@@ -180,7 +189,20 @@ def _intensities(seq: int, block_q: int, block_k: int) -> tuple[float, list[tupl
         (cost.attention_flops(*shape, unfitted) / cost.attention_bytes(*shape, bf16, unfitted),
          "the kernel first clamps its blocks to the sequence: BlockSizes(block_q, block_k).fit(seq, seq, dtype)"),
         (flops / cost.attention_bytes(*shape, jnp.float32, fitted), "the tensors are bfloat16, 2 bytes a value"),
+        (flops / cost.attention_bytes(*shape, bf16, fitted, with_lse=True), "this kernel writes no lse (only the "
+         "backward pass needs it): leave attention_bytes' with_lse at its default, False"),
+        (flops / cost.attention_bytes(*shape, bf16, None), "the bytes leave out the re-reads of k and v: pass "
+         "block_sizes= to attention_bytes too"),
     ]
+    if block_q != block_k:
+        swapped = BlockSizes(block_k, block_q).fit(seq, seq, bf16)
+        mistakes.append((cost.attention_flops(*shape, swapped) / cost.attention_bytes(*shape, bf16, swapped),
+                         "block_q and block_k are swapped: BlockSizes(block_q, block_k), queries first"))
+    f32_fit = BlockSizes(block_q, block_k).fit(seq, seq, jnp.float32)
+    if f32_fit != fitted:
+        mistakes.append((cost.attention_flops(*shape, f32_fit) / cost.attention_bytes(*shape, bf16, f32_fit),
+                         "the blocks were fitted for float32 (8-row tiles); the tensors are bfloat16, whose tiles "
+                         "have 16 rows: fit(seq, seq, jnp.bfloat16)"))
     return flops / traffic, mistakes
 
 
@@ -211,6 +233,9 @@ def check_step_cost(per_step: float) -> None:
         (fit(perf_data.select(rows, generation="v6e"), "cycles", "grid_steps")[0],
          "that fits steps against cycles: x is grid_steps, y is cycles"),
     ]
+    if np.ndim(per_step) != 0:
+        raise CheckFailed(f"failed: v6e fixed cycles per grid step — got {np.size(per_step)} numbers: return the "
+                          "slope alone (np.polyfit(x, y, 1) returns [slope, intercept]: take [0])")
     got = float(per_step)
     if abs(got / want[0] - 1.0) <= 1e-3:
         print(f"passed: v6e fixed cycles per grid step ({got:,.0f}, the sweep's fit)")
@@ -239,7 +264,9 @@ def _crossover_cases() -> list[tuple[str, list[dict[str, Any]], str, int | None,
     return [
         ("flashlib wins at 256, loses at 512, wins from 1024 on",
          _sweep("v5e", {"xla": _XLA, "pallas": [8000, 6000, 18000, 40000, 150000, 600000],
-                        "jax_flash": [9000, 7500, 19000, 45000, 190000, 700000]}), "v5e", 1024, {256: first_win}),
+                        "jax_flash": [9000, 7500, 19000, 45000, 190000, 700000]}), "v5e", 1024,
+         {256: first_win, None: "flashlib is faster at 1024, 2048 and 4096 (its cycles below XLA's): check the "
+                                "comparison's direction, flashlib's cycles < XLA's (a ratio flashlib / XLA < 1)"}),
         ("JAX's kernel starts to win earlier than flashlib's",
          _sweep("v6e", {"xla": _XLA, "pallas": [8000, 9000, 20000, 60000, 150000, 600000],
                         "jax_flash": [5000, 6000, 15000, 50000, 200000, 700000]}), "v6e", 2048,
@@ -253,11 +280,24 @@ def _crossover_cases() -> list[tuple[str, list[dict[str, Any]], str, int | None,
         ("both chips in one table, rows in no particular order",
          list(reversed(_sweep("v5e", {"xla": _XLA, "pallas": [8000, 9000, 15000, 50000, 200000, 600000]})
                        + _sweep("v6e", {"xla": _XLA, "pallas": [8000, 9000, 20000, 50000, 200000, 600000]}))), "v6e",
-         1024, {512: "that is the other chip's crossover: keep the rows of the generation asked for"}),
+         1024, {512: "that is the other chip's crossover: keep the rows of the generation asked for",
+                None: "the rows come in no particular order (here longest first): sort the lengths before you "
+                      "walk them"}),
         ("XLA has no estimate at 1024 (status 'compile_error')",
          _sweep("v5e", {"xla": [4000, 7000, 17000, None, 220000, 2500000],
                         "pallas": [8000, 9000, 15000, 50000, 200000, 600000]}), "v5e", 512,
          {2048: "a length without both estimates says nothing: compare only the lengths where both rows are 'ok'"}),
+        ("flashlib has no estimate at 2048 (status 'compile_error')",
+         _sweep("v6e", {"xla": _XLA, "pallas": [8000, 9000, 15000, 50000, None, 600000]}), "v6e", 512,
+         {4096: "a length without both estimates says nothing (neither a win nor a loss): compare only the lengths "
+                "where both rows are 'ok'"}),
+        ("flashlib ties XLA at 512 (the same cycles) and wins from 1024 on",
+         _sweep("v5e", {"xla": _XLA, "pallas": [8000, 9000, 17000, 50000, 200000, 600000]}), "v5e", 1024,
+         {512: "at 512 both take 17,000 cycles: a tie is not a win, 'faster' means fewer cycles (<, not <=)"}),
+        ("other lengths than the committed sweep's (384 to 12288)",
+         _sweep("v6e", {"xla": _XLA, "pallas": [8000, 9000, 15000, 50000, 200000, 600000]},
+                seqs=(384, 768, 1536, 3072, 6144, 12288)), "v6e", 1536,
+         {None: "take the lengths from the rows (sorted), not from a list of the committed sweep's lengths"}),
     ]
 
 
@@ -281,4 +321,4 @@ def check_crossover(crossover: Callable[[list[dict[str, Any]], str], int | None]
                                     "the longest is not a win)")
             raise CheckFailed(f"{fail} got {got}, expected {want}: {why}")
     print(f"passed: crossover in all {len(cases)} cases (a win that does not last, the other columns, another chip, "
-          "a missing estimate)")
+          "missing estimates, a tie, other lengths)")

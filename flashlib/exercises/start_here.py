@@ -9,7 +9,9 @@ shapes other than the notebook's, so a grid copied from the notebook's ``(32, 25
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -33,10 +35,13 @@ _SCALED_ADD_CASES = (
 )
 
 
-def _scaled_add_mistake(got: np.ndarray, x: np.ndarray, y: np.ndarray, alpha: float) -> str:
+def _scaled_add_mistake(got: np.ndarray, x: np.ndarray, y: np.ndarray, alpha: float, grid: tuple) -> str:
+    if np.isnan(got).any() and grid == (x.shape[0] // 8, x.shape[1] // 128):
+        return (f"part of the output is NaN, so some tiles were never written, although the grid {grid} has a step "
+                "per tile: the output's index map sends several steps to one tile; step (i, j) writes tile (i, j)")
     if np.isnan(got).any():
-        return ("part of the output is NaN, so some tiles were never written: the grid must cover the whole array, "
-                "(x.shape[0] // 8, x.shape[1] // 128) for (8, 128) tiles")
+        return (f"part of the output is NaN, so some tiles were never written: the grid {grid} must cover the whole "
+                "array, (x.shape[0] // 8, x.shape[1] // 128) for (8, 128) tiles")
     for want, mistake in (
         (alpha * (x + y), "y is scaled too: only x is multiplied by alpha"),
         (x + alpha * y, "alpha multiplies y; it should multiply x"),
@@ -45,7 +50,46 @@ def _scaled_add_mistake(got: np.ndarray, x: np.ndarray, y: np.ndarray, alpha: fl
     ):
         if np.allclose(got, want, atol=1e-5):
             return mistake
-    return "the output is not alpha * x + y"
+    return ("the output is not alpha * x + y (if the formula is right, check the index maps: step (i, j) reads and "
+            "writes tile (i, j) of every array)")
+
+
+def traced_eqns(jaxpr) -> Iterator[Any]:
+    """Every equation of ``jaxpr``, inside ``jit``s too, but not inside a kernel (notebook 05's checkers use it)."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns") and eqn.primitive.name != "pallas_call":
+                    yield from traced_eqns(inner)
+
+
+def _traced(where: str, scaled_add: Callable, x, y, alpha: float) -> tuple[int, ...]:
+    """The grid of the one ``pallas_call`` that ``scaled_add`` makes, after checking how it is called."""
+    params = pltpu.InterpretParams()
+    try:
+        eqns = list(traced_eqns(jax.make_jaxpr(lambda x, y: scaled_add(x, y, alpha, interpret=params))(x, y).jaxpr))
+    except TypeError as err:
+        if "interpret" not in str(err):
+            raise
+        raise CheckFailed(f"{where} scaled_add takes no `interpret` argument: keep the stub's signature, "
+                          "scaled_add(x, y, alpha, *, interpret=None), and pass it to pl.pallas_call") from None
+    calls = [eqn for eqn in eqns if eqn.primitive.name == "pallas_call"]
+    if not calls:
+        raise CheckFailed(f"{where} no Pallas kernel runs: write it with pl.pallas_call, starting from `add`")
+    if not any(isinstance(call.params.get("interpret"), pltpu.InterpretParams) for call in calls):
+        raise CheckFailed(f"{where} it ignores its `interpret` argument: pass interpret=interpret to pl.pallas_call "
+                          "(the checker asks for TPU interpret mode, which interpret=True is not)")
+    outside = sorted({eqn.primitive.name for eqn in eqns if eqn.primitive.name in _ARITHMETIC})
+    if outside:
+        raise CheckFailed(f"{where} arithmetic outside the kernel ({', '.join(outside)} on whole arrays, with jnp): "
+                          "the kernel gets x and y as they are and computes alpha * x_ref[...] + y_ref[...] itself "
+                          "(it can close over alpha)")
+    return tuple(int(n) for n in calls[0].params["grid_mapping"].grid)
+
+
+_ARITHMETIC = {"mul", "add", "add_any", "sub", "div", "neg", "integer_pow", "pow"}
 
 
 def check_scaled_add(scaled_add: Callable) -> None:
@@ -56,30 +100,26 @@ def check_scaled_add(scaled_add: Callable) -> None:
         x = jax.device_put(np.arange(rows * cols, dtype=np.float32).reshape(shape) / cols, cpu)
         y = jax.device_put(np.random.default_rng(rows).normal(size=shape).astype(np.float32), cpu)
         where = f"failed: scaled_add, case '{case}' —"
-        params = pltpu.InterpretParams()
-        try:
-            traced = str(jax.make_jaxpr(lambda x, y: scaled_add(x, y, alpha, interpret=params))(x, y))  # noqa: B023
-        except TypeError as err:
-            if "interpret" not in str(err):
-                raise
-            raise CheckFailed(f"{where} scaled_add takes no `interpret` argument: keep the stub's signature, "
-                              "scaled_add(x, y, alpha, *, interpret=None), and pass it to pl.pallas_call") from None
-        if "pallas_call" not in traced:
-            raise CheckFailed(f"{where} no Pallas kernel runs: write it with pl.pallas_call, starting from `add`")
+        grid = _traced(where, scaled_add, x, y, alpha)
         pltpu.reset_tpu_interpret_mode_state()  # an earlier attempt that raised mid-kernel leaves it dirty
+        logger = logging.getLogger("jax._src.callback")  # mute the interpreter's logged traceback of a bad block
+        was, logger.disabled = logger.disabled, True
         try:
-            out = scaled_add(x, y, alpha, interpret=params)
+            out = scaled_add(x, y, alpha, interpret=pltpu.InterpretParams())
         except Exception as err:  # the interpreter's bounds check, raised from inside the kernel's run
             pltpu.reset_tpu_interpret_mode_state()  # so the next kernel interpreted in this process starts clean
             if "Out-of-bounds block index" not in str(err):
                 raise
             raise CheckFailed(f"{where} a grid step reads a block past the array's edge: compute the grid from "
-                              "x.shape, (x.shape[0] // 8, x.shape[1] // 128)") from None
+                              "x.shape, (x.shape[0] // 8, x.shape[1] // 128), and let step (i, j) read tile "
+                              "(i, j)") from None
+        finally:
+            logger.disabled = was
         if tuple(np.shape(out)) != shape:
             raise CheckFailed(f"{where} output shape {tuple(np.shape(out))}, expected {shape} like x")
         got, want = np.asarray(out, np.float64), alpha * np.asarray(x, np.float64) + np.asarray(y, np.float64)
         if not np.allclose(got, want, atol=1e-5):
-            raise CheckFailed(f"{where} {_scaled_add_mistake(got, np.asarray(x), np.asarray(y), alpha)}")
+            raise CheckFailed(f"{where} {_scaled_add_mistake(got, np.asarray(x), np.asarray(y), alpha, grid)}")
     print(f"passed: scaled_add is a Pallas kernel computing alpha * x + y in all {len(_SCALED_ADD_CASES)} cases "
           "(another alpha, another grid)")
 

@@ -59,6 +59,10 @@ def _check_calls(name: str, case: str, calls: list[Shapes], expected: Counter, s
     if Counter(calls) == swapped:
         raise CheckFailed(f"failed: {name}, case '{case}' — the tiles have the shapes of swapped block sizes: "
                           f"check which block cuts which dimension ({tile})")
+    empty = next((shapes for shapes in calls if 0 in (*shapes[0], *shapes[1])), None)
+    if empty:
+        raise CheckFailed(f"failed: {name}, case '{case}' — a call multiplied {_show(empty)}, an empty tile: the loop "
+                          "runs one tile past the end; range(0, length, block) stops by itself")
     biggest = [max(shapes[side][axis] for shapes in expected) for side in (0, 1) for axis in (0, 1)]
     for shapes in calls:
         if shapes not in expected:
@@ -68,23 +72,35 @@ def _check_calls(name: str, case: str, calls: list[Shapes], expected: Counter, s
             raise CheckFailed(f"failed: {name}, case '{case}' — a call multiplied {_show(shapes)}, which is not one "
                               f"of the grid's tile products ({tile}; a length that does not divide its block ends "
                               "in a shorter tile: slice it, do not pad it)")
+    if len(calls) == expected.total():
+        extra = next(shapes for shapes, count in Counter(calls).items() if count > expected[shapes])
+        raise CheckFailed(f"failed: {name}, case '{case}' — {Counter(calls)[extra]} calls multiplied {_show(extra)}, "
+                          f"the grid has {expected[extra]}: where a length does not divide its block, the last tile "
+                          "is the shorter rest (slice to the end: do not pad it, or shift it back over the one before)")
     raise CheckFailed(f"failed: {name}, case '{case}' — {len(calls)} calls to matmul, expected {expected.total()}: one "
                       f"per tile product, each computed once ({tile})")
 
 
 def _diagnose(name: str, case: str, got, want, rows: tuple[int, int], cols: tuple[int, int],
-              known: dict[str, np.ndarray]) -> None:
-    """Raise naming the likely mistake when ``got`` differs from ``want``: a known wrong result, the last shorter
-    tile (``rows = (length, block)`` of the first axis, ``cols`` of the second), or else the first wrong value."""
+              known: dict[str, np.ndarray], factor: str = "") -> None:
+    """Raise naming the likely mistake when ``got`` differs from ``want``: still all zeros, a known wrong result, off
+    by a constant ``factor`` (its hint), the last shorter tile (``rows = (length, block)`` of the first axis, ``cols``
+    of the second), or else the first wrong value."""
     got = np.asarray(got, np.float64)
     if got.shape != want.shape:
         raise CheckFailed(f"failed: {name}, case '{case}' — shape {list(got.shape)}, expected {list(want.shape)}")
     bad = ~(np.abs(got - want) <= 1e-4 * (1 + np.abs(want)))  # also catches NaN
     if not bad.any():
         return
+    if not got.any():
+        raise CheckFailed(f"failed: {name}, case '{case}' — the result is still all zeros: x.at[...].set(...) returns "
+                          "a new array and leaves x as it was; assign it back, x = x.at[...].set(...)")
     for mistake, wrong in known.items():
         if np.allclose(got, wrong, atol=1e-4):
             raise CheckFailed(f"failed: {name}, case '{case}' — {mistake}")
+    ratio = float(np.sum(got * want) / (np.sum(want * want) or 1.0))
+    if factor and np.allclose(got, ratio * want, rtol=1e-4, atol=1e-5):
+        raise CheckFailed(f"failed: {name}, case '{case}' — off by a constant factor {ratio:.4g}: {factor}")
     full_rows, full_cols = rows[0] - rows[0] % rows[1], cols[0] - cols[0] % cols[1]  # the region of whole tiles
     if full_rows * full_cols and not bad[:full_rows, :full_cols].any():
         raise CheckFailed(f"failed: {name}, case '{case}' — the full tiles are right but the last, shorter tile is "
@@ -136,7 +152,7 @@ def check_tiled_scores(tiled_scores: Callable[..., Any]) -> None:
         exact = np.asarray(q, np.float64) @ np.asarray(k, np.float64).T
         _diagnose(name, case, got, exact / np.sqrt(d), (q_len, block_q), (kv_len, block_k), {
             "S is Q Kᵀ without the scale: multiply by 1 / sqrt(d), d = q.shape[1]": exact,
-        })
+        }, f"the scale is 1 / sqrt(d) with d = q.shape[1] of the q passed in (here {d}), not a number from outside")
         _check_calls(name, case, matmul.calls, _products(q_len, kv_len, d, block_q, block_k, "scores"),
                      _products(q_len, kv_len, d, block_k, block_q, "scores"),
                      "a [≤ block_q, d] tile of Q times a [d, ≤ block_k] tile of Kᵀ")
@@ -173,6 +189,10 @@ def check_tiled_pv(tiled_pv: Callable[..., Any]) -> None:
             "to the accumulator (acc += ...), and start it at zero once per query tile, before the key loop":
                 p64[:, last:] @ v64[last:],
         }
+        if q_len % block_q == 0 and q_len > block_q:  # equal query tiles: an acc that is never reset adds them up
+            tiles = (p64 @ v64).reshape(q_len // block_q, block_q, d)
+            known["acc carries over from the previous query tile: start it at zero for each query tile, before "
+                  "the key loop"] = np.cumsum(tiles, axis=0).reshape(q_len, d)
         if full not in (0, kv_len):
             known["the last, shorter key tile is missing: loop with range(0, kv_len, block_k) and let the slice "
                   "[j : j + block_k] stop at the end by itself"] = p64[:, :full] @ v64[:full]
@@ -226,10 +246,12 @@ def check_tiled_matmul(my_tiled_matmul: Callable[..., Any]) -> None:
         matmul = _Recorder()
         got = my_tiled_matmul(a, b, block_m, block_n, block_k, matmul=matmul)
         a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
-        last = kdim - block_k
+        last, strips = kdim - block_k, (a64 @ b64).reshape(m, n // block_n, block_n)
         _diagnose(name, case, got, a64 @ b64, (m, block_m), (n, block_n), {
             "only the last block_k slice of the shared dimension counts: each output tile is the SUM over the "
             "shared dimension — add each tile product to the accumulator (acc += ...)": a64[:, last:] @ b64[last:],
+            "acc carries over from the output tile to its left: start it at zero for each output tile (i, j), "
+            "inside the loop over j": np.cumsum(strips, axis=1).reshape(m, n),
         })
         tiles = Counter({((block_m, block_k), (block_k, block_n)): m // block_m * (n // block_n) * (kdim // block_k)})
         swapped = Counter({((block_m, block_n), (block_n, block_k)): m // block_m * (n // block_k) * (kdim // block_n)})
@@ -297,7 +319,7 @@ def _tiled_bytes(n: int, d: int, block_q: int) -> int:
 def check_block_q(answer: tuple[Any, Any], n: int = 4096, d: int = 128) -> None:
     """``answer = (block_q, kib)``: the smallest power-of-two ``block_q`` whose fused pass moves at least 10x fewer
     HBM bytes than the naive one (one bfloat16 head of ``n`` x ``d``), and the KiB of its ``[block_q, d]`` Q tile."""
-    block, kib = answer
+    block, kib = (x.item() if hasattr(x, "item") and np.ndim(x) == 0 else x for x in answer)  # 0-d jnp, NumPy
     if block is None or kib is None:
         raise NotImplementedError
     name = "the smallest block_q with 10x less traffic"
