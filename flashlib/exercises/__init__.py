@@ -22,6 +22,10 @@ module                      notebook  what the learner writes
 ``performance``             08        block sizes chosen by the compiler's estimate under a VMEM budget
 ==========================  ========  ======================================================================
 
+Where a module would pass 400 lines, its teaching solutions (what ``Puzzle.solution`` points at, and what the
+hints' last level prints) live beside it in ``<module>_solutions`` (``flash_jax``, ``pallas_basics``,
+``flash_kernel``, ``backward``).
+
 This package sits at the top of the layers (it checks every stage, kernels and estimates included); nothing in
 the library imports it.
 """
