@@ -21,29 +21,60 @@ import jax.numpy as jnp
 import numpy as np
 
 import flashlib
-from flashlib.reference import attention_oracle, attention_vjp_oracle, causal_mask, default_scale
+from flashlib.masks import element_visible, segments_visible
+from flashlib.reference import attention_oracle, attention_vjp_oracle, default_scale
 
 NAMES = ("out", "dq", "dk", "dv")
+# With sinks= the gradients have a fourth: the sinks' (one per query head).
+NAMES_WITH_SINKS = (*NAMES, "dsinks")
 # Every implementation behind flashlib.attention that the peers' cases run against. "pallas" runs in
 # interpret mode on the CPU.
 IMPLS = ("reference", "blockwise", "pallas", "xla")
 
 
-def naive_same_dtype(q, k, v, *, causal: bool = False, scale: float | None = None) -> jax.Array:
+def naive_same_dtype(q, k, v, *, causal: bool = False, scale: float | None = None, window=None,
+                     softcap: float | None = None, segment_ids=None, sinks=None) -> jax.Array:
     """FlashAttention's ``attention_ref(q, k, v, causal=causal, upcast=False, reorder_ops=True)`` in the
     flashlib layout ``[b, h, s, d]``: the scale on k (reorder_ops), scores, softmax and output each rounded
-    to the input dtype. A row that sees no key gives zeros, as in FlashAttention's reference."""
+    to the input dtype. A row that sees no key gives zeros, as in FlashAttention's reference.
+
+    The variants round where the peer's references round them. GQA/MQA: k and v (fewer heads, v with a
+    head_dim of its own) are repeated to q's heads in the input dtype (``repeat(k, "b s h d -> b s (h g) d")``),
+    so a group's dk and dv are rounded per query head and once more when the group is summed. ``softcap``:
+    ``scores / c``, ``tanh`` and ``* c`` each rounded. ``window`` and ``segment_ids`` mask the scores (-inf).
+    ``sinks`` (FlashAttention's ``learnable_sink``, tests/cute): the softmax runs in f32 on the rounded
+    scores with the sink logit in its denominator, then the probabilities are rounded."""
     dtype = q.dtype
     scale = default_scale(q.shape[-1]) if scale is None else scale
 
     def rounded(x):
         return x.astype(dtype)
 
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)
     k_scaled = rounded(k.astype(jnp.float32) * scale)
     scores = rounded(jnp.einsum("bhqd,bhkd->bhqk", q.astype(jnp.float32), k_scaled.astype(jnp.float32)))
+    if softcap is not None:
+        scores = rounded(jnp.tanh(rounded(scores.astype(jnp.float32) / softcap)).astype(jnp.float32))
+        scores = rounded(scores.astype(jnp.float32) * softcap)
     scores = scores.astype(jnp.float32)
-    if causal:
-        visible = causal_mask(q.shape[2], k.shape[2])[None, None]
+    visible = None
+    if causal or window is not None:
+        rows, cols = jnp.arange(q.shape[2])[:, None], jnp.arange(k.shape[2])[None, :]
+        visible = jnp.broadcast_to(element_visible(rows, cols, q_len=q.shape[2], kv_len=k.shape[2], causal=causal,
+                                                   window=window), (q.shape[2], k.shape[2]))[None, None]
+    if segment_ids is not None:
+        same = segments_visible(jnp.asarray(segment_ids[0]), jnp.asarray(segment_ids[1]))[:, None]  # [b, 1, q, k]
+        visible = same if visible is None else visible & same
+    if sinks is not None:
+        sink = sinks.astype(jnp.float32)[None, :, None, None]  # [1, h, 1, 1]
+        if visible is not None:
+            scores = jnp.where(visible, scores, -jnp.inf)
+        top = jax.lax.stop_gradient(jnp.maximum(jnp.max(scores, axis=-1, keepdims=True), sink))
+        e = jnp.exp(scores - top)
+        probs = e / (jnp.sum(e, axis=-1, keepdims=True) + jnp.exp(sink - top))
+    elif visible is not None:
         scores = jnp.where(visible, scores, -jnp.inf)
         sees_a_key = jnp.any(visible, axis=-1, keepdims=True)
         probs = jnp.where(sees_a_key, jax.nn.softmax(jnp.where(sees_a_key, scores, 0.0), axis=-1), 0.0)
@@ -75,9 +106,10 @@ def output_and_grads(fn, q, k, v, do) -> tuple[jax.Array, ...]:
 
 
 def max_errors(values, oracle) -> dict[str, float]:
-    """``{name: max |value - oracle|}`` for out, dq, dk, dv (NaN if a value is not finite)."""
+    """``{name: max |value - oracle|}`` for out, dq, dk, dv (and dsinks, when given; NaN if a value is not
+    finite)."""
     errors = {}
-    for name, value, exact in zip(NAMES, values, oracle, strict=False):
+    for name, value, exact in zip(NAMES_WITH_SINKS, values, oracle, strict=False):
         value = np.asarray(value, np.float64)
         errors[name] = float(np.max(np.abs(value - exact))) if np.all(np.isfinite(value)) else float("nan")
     return errors
@@ -159,3 +191,28 @@ def assert_all(impl: str, case_id: str, failures) -> None:
     failing lines in one message."""
     failures = [f for f in failures if f]
     assert not failures, f"impl={impl!r} {case_id}: " + "; ".join(failures)
+
+
+def rounding_atol(oracle, dtype) -> float:
+    """FlashAttention's tests/cute atol, ``2 * max|(ref + 0.3 - 0.3) - ref|`` with ``ref`` in the input dtype:
+    twice the rounding error of one add at the reference's magnitude (the peer's ``ref`` is rounded to the
+    input dtype, and so is each op on it)."""
+    ref = np.asarray(oracle, np.float32).astype(dtype).astype(np.float32)  # NumPy (ml_dtypes): no compile
+    shifted = (ref + np.float32(0.3)).astype(dtype).astype(np.float32)  # each op in f32, rounded to the dtype
+    back = (shifted - np.float32(0.3)).astype(dtype).astype(np.float32)
+    return float(2 * np.max(np.abs(back - ref)))
+
+
+def dsinks_failure(dsinks, oracle, naive_error: float, *, mult: float, atol: float, dtype) -> str | None:
+    """FlashAttention's tests/cute ``check_dsink_vs_ref``, per sink: ``|dsink - ref| <= mult * max|naive - ref|
+    + 2 ulp(ref) + atol``, the ulp in the input dtype; a line with the numbers where it fails, else None."""
+    got, want = np.asarray(dsinks, np.float64), np.asarray(oracle, np.float64)
+    info = jnp.finfo(dtype)
+    ulp = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(want), float(info.tiny)))) - info.nmant)
+    bound = mult * naive_error + 2 * ulp + atol
+    error = np.abs(got - want)
+    if np.all(error <= bound):  # NaN fails
+        return None
+    worst = int(np.argmax(np.where(np.isfinite(error), error - bound, np.inf)))
+    return (f"dsinks: head {worst} error {error[worst]:.3g} > bound {bound[worst]:.3g} (naive same-dtype max error "
+            f"{naive_error:.3g}, mult {mult:g}, atol {atol:.3g})")

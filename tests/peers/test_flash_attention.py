@@ -10,8 +10,11 @@ Rules, as the peer states them: ``test_flash_attn_output`` out and grads <= 2x n
 its grads to 3x; we keep the older 2x); ``_causal`` 2x + 1e-5; ``_splitkv`` out 2x + 1e-5, grads 2x + 2e-4;
 ``_kvcache`` forward only, out 3x + 1e-5; ``_bwd_overflow`` out 2x, grads 5x + 1e-3.
 
-Not run, because flashlib has no such feature: dropout, local windows, alibi, softcap, GQA/MQA (``mha_type``
-is "mha" only), packed and varlen inputs, paged or appended KV caches, cache lengths, rotary embeddings.
+Not run here: GQA/MQA (``mha_type``), local windows and softcap — this file's cases are "mha", not local, no
+softcap; the peer's cases for those variants (and FlashAttention's tests/cute sinks and value head_dim, and
+splash's segment ids) run in ``test_variants_peers.py``. Not run anywhere, because flashlib has no such
+feature: dropout, alibi, packed and varlen inputs, paged or appended KV caches, cache lengths, rotary
+embeddings.
 
 Dtypes. bfloat16 everywhere (the peer's main half type). float16 does not exist in flashlib; float32 takes
 its place, with the same rule, in the tests whose rule has an atol (causal, splitkv, kvcache). It is not in
