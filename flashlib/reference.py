@@ -191,7 +191,9 @@ def attention_naive(
     if group > 1:  # the reference reads each kv head once per query head (the kernels never copy them)
         k, v = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)  # [b, h, k, d], [b, h, k, dv]
     scale = default_scale(d) if scale is None else scale
-    s = jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32) * scale  # [b, h, q, k]
+    # bf16 values are exact in f32, so upcasting first is the same product with f32 accumulation; the mixed
+    # bf16 x bf16 -> f32 dot has no kernel in some XLA:CPU paths of jax 0.7.2 (Colab's): seen failing at run time.
+    s = jnp.einsum("bhqd,bhkd->bhqk", q.astype(jnp.float32), k.astype(jnp.float32)) * scale  # [b, h, q, k]
     if softcap is not None:
         s = softcap * jnp.tanh(s / softcap)
     mask = variant_mask(q_len, kv_len, causal=causal, window=window, segment_ids=segment_ids)
