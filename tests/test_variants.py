@@ -317,7 +317,7 @@ def test_bad_variants_name_the_argument(kwargs, message):
 
 
 @pytest.mark.parametrize("impl, kwargs, feature", [
-    ("pallas", {}, "grouped-query attention"),
+    ("pallas", {"dv": 3}, "a value head_dim different"),
     ("pallas", {"window": (2, 0)}, "a sliding window"),
     ("pallas", {"segment_ids": (np.zeros((2, 5), int), np.zeros((2, 7), int))}, "packed sequences"),
     ("xla", {"softcap": 5.0}, "logit soft-capping"),

@@ -62,6 +62,7 @@ def flash_attention(
     resolve_options=resolve_options,
     native_on=("tpu",),
     auto_priority=2,
+    features=("gqa",),
 )
 def _attention_resolved(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, scale: float | None,
                         call: ResolvedCall) -> jax.Array:

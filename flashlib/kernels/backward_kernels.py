@@ -32,6 +32,13 @@ kernel (:func:`_fused_kernel`, the default up to ``tpu_backward.FUSED_DQ_MAX_BYT
 already in hand. It writes each query block of dQ^T on the last key block. 5 matmuls per score; the key
 axis turns sequential ("arbitrary"). (Cycle estimates: ``data/optimisation/backward_README.md``.)
 
+Grouped-query attention: a group's query heads read one kv head (``h // group`` in the k/v index maps; K
+and V are never repeated in HBM); dK and dV come out per query head, in f32, and
+:func:`flashlib.kernels.tpu_backward.backward` sums each group — FlashAttention 2's way for MQA/GQA.
+
+Longer than 400 lines because the three kernels share one block visitor, one mask, one set of BlockSpecs and
+one accumulation step; apart, each piece would be read without the kernels it serves.
+
 All three run the forward's three kinds of block: causal blocks above the diagonal are skipped (a
 ``pl.when`` on the program ids, and an index map clamped so the skipped steps fetch nothing new), blocks
 straddling the diagonal or holding padded keys build an element mask, the rest are plain. Padded queries
@@ -199,9 +206,15 @@ def _fused_kernel(
         dq_t_ref[...] = (dq_t_acc_ref[:, q_columns] * scale).astype(dq_t_ref.dtype)  # [head_dim, block_q]
 
 
-def _dkv_specs(head_dim: int, block_q: int, block_k: int, *, causal: bool, q_len: int, kv_len: int):
+def _kv_head(h, group: int):
+    """The kv head query head ``h`` reads (GQA): ``h // group`` (``lax.div``: Mosaic lowers it without sign())."""
+    return h if group == 1 else lax.div(h, group)
+
+
+def _dkv_specs(head_dim: int, block_q: int, block_k: int, *, causal: bool, q_len: int, kv_len: int, group: int = 1):
     """The BlockSpecs of the dK/dV and fused grids ``(b, h, kv block j, q block i)``: ``(q_spec, kv_spec,
-    row_spec)`` for q and dO, for k, v, dK and dV, for the lse and D rows."""
+    row_spec, dkv_spec)`` for q and dO, for k and v (the group's kv head), for the lse and D rows, and for
+    dK and dV (per query head: with GQA the group's heads are summed afterwards, FlashAttention 2's way)."""
 
     def visited_q_block(j, i):
         """Query block ``i``, or — before the first query block that sees key block ``j`` — that block:
@@ -212,6 +225,9 @@ def _dkv_specs(head_dim: int, block_q: int, block_k: int, *, causal: bool, q_len
         return jnp.maximum(i, lax.div(first_query, block_q))  # lax.div: floor of a value >= 0, no sign()
 
     def kv_index_map(b, h, j, i):
+        return b, _kv_head(h, group), j, 0
+
+    def dkv_index_map(b, h, j, i):
         return b, h, j, 0
 
     def q_index_map(b, h, j, i):
@@ -223,7 +239,8 @@ def _dkv_specs(head_dim: int, block_q: int, block_k: int, *, causal: bool, q_len
     squeezed = pl.squeezed
     return (pl.BlockSpec((squeezed, squeezed, block_q, head_dim), q_index_map),
             pl.BlockSpec((squeezed, squeezed, block_k, head_dim), kv_index_map),
-            pl.BlockSpec((squeezed, squeezed, NUM_SUBLANES, block_q), row_stat_index_map))
+            pl.BlockSpec((squeezed, squeezed, NUM_SUBLANES, block_q), row_stat_index_map),
+            pl.BlockSpec((squeezed, squeezed, block_k, head_dim), dkv_index_map))
 
 
 def _cost_estimate(kernel: str, dims: tuple, dtype, sizes: BlockSizes) -> pl.CostEstimate:
@@ -237,20 +254,24 @@ def _cost_estimate(kernel: str, dims: tuple, dtype, sizes: BlockSizes) -> pl.Cos
 
 def _dkv(q, k, v, do, lse_rows, d_rows, *, causal: bool, scale: float, q_len: int, kv_len: int,
          sizes: BlockSizes, interpret) -> tuple[jax.Array, jax.Array]:
-    """dK, dV ``[b, h, num_kv_blocks * block_k, d]`` from padded inputs (rows past ``kv_len``: padding)."""
+    """dK, dV ``[b, h, num_kv_blocks * block_k, d]`` from padded inputs (rows past ``kv_len``: padding), per
+    query head ``h`` (with GQA in f32, for the caller to sum over each group)."""
     batch, heads, _, head_dim = q.shape
+    group = heads // k.shape[1]
     block_q, block_k = sizes.blocks("dkv")
     num_q_blocks, num_kv_blocks = -(-q_len // block_q), -(-kv_len // block_k)
-    q_spec, kv_spec, row_spec = _dkv_specs(head_dim, block_q, block_k, causal=causal, q_len=q_len, kv_len=kv_len)
+    q_spec, kv_spec, row_spec, dkv_spec = _dkv_specs(head_dim, block_q, block_k, causal=causal, q_len=q_len,
+                                                     kv_len=kv_len, group=group)
     dkv_shape = (batch, heads, num_kv_blocks * block_k, head_dim)
+    dk_dtype, dv_dtype = (k.dtype, v.dtype) if group == 1 else (jnp.float32, jnp.float32)
     kernel = functools.partial(_dkv_kernel, causal=causal, scale=scale, q_len=q_len, kv_len=kv_len,
                                has_padding=num_kv_blocks * block_k != kv_len)
     return pl.pallas_call(
         kernel,
         grid=(batch, heads, num_kv_blocks, num_q_blocks),
         in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec],
-        out_specs=[kv_spec, kv_spec],
-        out_shape=[jax.ShapeDtypeStruct(dkv_shape, k.dtype), jax.ShapeDtypeStruct(dkv_shape, v.dtype)],
+        out_specs=[dkv_spec, dkv_spec],
+        out_shape=[jax.ShapeDtypeStruct(dkv_shape, dk_dtype), jax.ShapeDtypeStruct(dkv_shape, dv_dtype)],
         scratch_shapes=[
             pltpu.VMEM((block_k, head_dim), jnp.float32),  # dK accumulator
             pltpu.VMEM((block_k, head_dim), jnp.float32),  # dV accumulator
@@ -266,12 +287,15 @@ def _fused(q, k, v, do, lse_rows, d_rows, *, causal: bool, scale: float, q_len: 
            sizes: BlockSizes, interpret) -> tuple[jax.Array, jax.Array, jax.Array]:
     """dK, dV as :func:`_dkv` and dQ^T ``[b, h, d, num_q_blocks * block_q]`` (q padded to exactly that length)."""
     batch, heads, _, head_dim = q.shape
+    group = heads // k.shape[1]
     block_q, block_k = sizes.blocks("fused")
     num_q_blocks, num_kv_blocks = -(-q_len // block_q), -(-kv_len // block_k)
-    q_spec, kv_spec, row_spec = _dkv_specs(head_dim, block_q, block_k, causal=causal, q_len=q_len, kv_len=kv_len)
+    q_spec, kv_spec, row_spec, dkv_spec = _dkv_specs(head_dim, block_q, block_k, causal=causal, q_len=q_len,
+                                                     kv_len=kv_len, group=group)
+    dk_dtype, dv_dtype = (k.dtype, v.dtype) if group == 1 else (jnp.float32, jnp.float32)
 
     def k_t_index_map(b, h, j, i):
-        return b, h, 0, j
+        return b, _kv_head(h, group), 0, j
 
     def dq_t_index_map(b, h, j, i):
         """Query block ``i`` on the last key block, where it is written; block 0 before (no copy out)."""
@@ -288,8 +312,8 @@ def _fused(q, k, v, do, lse_rows, d_rows, *, causal: bool, scale: float, q_len: 
         grid=(batch, heads, num_kv_blocks, num_q_blocks),
         in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec,
                   pl.BlockSpec((squeezed, squeezed, head_dim, block_k), k_t_index_map)],
-        out_specs=[kv_spec, kv_spec, pl.BlockSpec((squeezed, squeezed, head_dim, block_q), dq_t_index_map)],
-        out_shape=[jax.ShapeDtypeStruct(dkv_shape, k.dtype), jax.ShapeDtypeStruct(dkv_shape, v.dtype),
+        out_specs=[dkv_spec, dkv_spec, pl.BlockSpec((squeezed, squeezed, head_dim, block_q), dq_t_index_map)],
+        out_shape=[jax.ShapeDtypeStruct(dkv_shape, dk_dtype), jax.ShapeDtypeStruct(dkv_shape, dv_dtype),
                    jax.ShapeDtypeStruct((batch, heads, head_dim, q_padded_len), q.dtype)],
         scratch_shapes=[
             pltpu.VMEM((block_k, head_dim), jnp.float32),  # dK accumulator
@@ -356,6 +380,7 @@ def _dq(q, k, v, do, lse_rows, d_rows, *, causal: bool, scale: float, q_len: int
         sizes: BlockSizes, interpret) -> jax.Array:
     """dQ ``[b, h, num_q_blocks * block_q, d]`` from padded inputs (rows past ``q_len``: padding)."""
     batch, heads, _, head_dim = q.shape
+    group = heads // k.shape[1]
     block_q, block_k = sizes.blocks("dq")
     num_q_blocks, num_kv_blocks = -(-q_len // block_q), -(-kv_len // block_k)
 
@@ -370,7 +395,7 @@ def _dq(q, k, v, do, lse_rows, d_rows, *, causal: bool, scale: float, q_len: int
         return b, h, i, 0
 
     def kv_index_map(b, h, i, j):
-        return b, h, visited_kv_block(i, j), 0
+        return b, _kv_head(h, group), visited_kv_block(i, j), 0
 
     def row_stat_index_map(b, h, i, j):
         return b, h, 0, i

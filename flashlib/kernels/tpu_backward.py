@@ -134,4 +134,9 @@ def backward(q, k, v, out, lse2, do, dlse, *, causal: bool, scale: float, sizes:
     else:
         dk, dv = _dkv(*inputs, **settings)  # [b, h, nk * block_k_dkv, d] each
         dq = _dq(*inputs, **settings)  # [b, h, nq * block_q_dq, d]
-    return dq[:, :, :q_len], dk[:, :, :kv_len], dv[:, :, :kv_len]
+    dk, dv = dk[:, :, :kv_len], dv[:, :, :kv_len]  # [b, h, kv_len, d], per query head
+    kv_heads = k.shape[1]
+    if kv_heads != q.shape[1]:  # GQA: each kv head's gradient is the sum over its group of query heads (in f32)
+        dk, dv = (x.reshape(x.shape[0], kv_heads, -1, *x.shape[2:]).sum(axis=2) for x in (dk, dv))
+        dk, dv = dk.astype(k.dtype), dv.astype(v.dtype)
+    return dq[:, :, :q_len], dk, dv

@@ -194,7 +194,7 @@ def forward(q, k, v, *, causal: bool, scale: float, sizes: BlockSizes, interpret
     f32 keeps the unrounded output for the backward's ``D = rowsum(dO * out)``."""
     out_dtype = q.dtype if out_dtype is None else out_dtype
     batch, heads, q_len, head_dim = q.shape
-    kv_len = k.shape[2]
+    kv_len, group = k.shape[2], heads // k.shape[1]  # query heads per kv head (GQA; 1 for MHA)
     block_q, block_k, kv_step = sizes.block_q, sizes.block_k, sizes.kv_step
     q_padded = pad_to_multiple(q, 2, block_q)  # [b, h, Tq, d]
     k_padded = pad_to_multiple(k, 2, kv_step)  # [b, h, Tk, d]
@@ -209,7 +209,7 @@ def forward(q, k, v, *, causal: bool, scale: float, sizes: BlockSizes, interpret
             last_key = jnp.maximum(geometry.last_key_seen(i, block_q=block_q, q_len=q_len, kv_len=kv_len), 0)
             # lax.div truncates, i.e. floors a key >= 0; jnp's // would need sign(), which Mosaic lowers per chip
             j = jnp.minimum(j, lax.div(last_key, kv_step))
-        return b, h, j, 0
+        return b, (h if group == 1 else lax.div(h, group)), j, 0  # GQA: the group's kv head, never a copy
 
     def row_stat_index_map(b, h, i, j):
         return b, h, i, 0

@@ -1,0 +1,107 @@
+"""Grouped-query and multi-query attention in the Pallas kernels (issue 16, first Pallas variant): outputs and
+gradients by FlashAttention's rule in TPU-semantics interpret mode (races detected), both backward paths
+(fused dQ and the separate dQ kernel), K and V never repeated in HBM, and the gradient compiled for v5e and
+v6e by libtpu."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+
+import flashlib
+from flashlib import checks
+from flashlib.kernels import BlockSizes
+from flashlib.kernels.tpu_backward import flash_attention_backward
+from flashlib.kernels.tpu_forward import flash_attention_forward
+from flashlib.tpu_compile import compile_for_tpu
+
+BF16 = jnp.bfloat16
+
+
+def _inputs(heads, kv_heads, q_len, kv_len, head_dim, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.normal(size=(1, heads, q_len, head_dim)), dtype)
+    k = jnp.asarray(rng.normal(size=(1, kv_heads, kv_len, head_dim)), dtype)
+    v = jnp.asarray(rng.normal(size=(1, kv_heads, kv_len, head_dim)), dtype)
+    do = jnp.asarray(rng.normal(size=q.shape), dtype)
+    return q, k, v, do
+
+
+@pytest.mark.parametrize("heads, kv_heads, q_len, kv_len, dtype, causal, fuse_dq", [
+    (4, 2, 136, 200, jnp.float32, True, True),  # GQA, q shorter, padding on both
+    (4, 1, 200, 136, BF16, True, False),  # MQA, q longer (rows that see no key), the separate dQ kernel
+    (6, 2, 128, 256, BF16, False, True),  # GQA 3:1, not causal
+])
+def test_gqa_by_flashattentions_rule_in_tpu_interpret_mode(heads, kv_heads, q_len, kv_len, dtype, causal, fuse_dq):
+    pltpu.reset_tpu_interpret_mode_state()
+    q, k, v, do = _inputs(heads, kv_heads, q_len, kv_len, 64, dtype)
+    sizes, params = BlockSizes(block_q=64, block_k_major=128, block_k=128), pltpu.InterpretParams(detect_races=True)
+    out, lse = flash_attention_forward(q, k, v, causal=causal, block_sizes=sizes, interpret=params, return_lse=True)
+    grads = flash_attention_backward(q, k, v, out, lse, do, causal=causal, block_sizes=sizes, interpret=params,
+                                     fuse_dq=fuse_dq)
+    checks.check_attention(out, q, k, v, causal=causal, quiet=True)
+    checks.check_attention_grads(grads, q, k, v, do, causal=causal, quiet=True)
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+
+
+def test_the_entry_point_differentiates_gqa():
+    q, k, v, do = _inputs(4, 2, 40, 72, 32, jnp.float32, seed=1)
+    out, vjp = jax.vjp(lambda q, k, v: flashlib.attention(q, k, v, causal=True, impl="pallas"), q, k, v)
+    checks.check_attention(out, q, k, v, causal=True, quiet=True)
+    checks.check_attention_grads(vjp(do), q, k, v, do, causal=True, quiet=True)
+
+
+def _pallas_operand_shapes(fn, *args) -> list[list[tuple[int, ...]]]:
+    """The operand shapes of every pallas_call in ``fn``'s program (forward and backward)."""
+    found = []
+
+    def subjaxprs(value):
+        if hasattr(value, "eqns"):  # a Jaxpr
+            yield value
+        elif hasattr(value, "jaxpr") and hasattr(value.jaxpr, "eqns"):  # a ClosedJaxpr
+            yield value.jaxpr
+        elif isinstance(value, (tuple, list)):
+            for item in value:
+                yield from subjaxprs(item)
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                found.append([tuple(var.aval.shape) for var in eqn.invars])
+                continue
+            for param in eqn.params.values():
+                for sub in subjaxprs(param):
+                    walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found
+
+
+def test_k_and_v_are_never_repeated_in_hbm():
+    """Every kernel reads k and v with their own kv_heads: no [b, heads, kv_len, d] copy is made for them."""
+    q, k, v, _ = _inputs(8, 2, 64, 96, 32, jnp.float32)
+
+    def grad(q, k, v):
+        return jax.grad(lambda q, k, v: flashlib.attention(q, k, v, impl="pallas").sum(), argnums=(0, 1, 2))(q, k, v)
+
+    calls = _pallas_operand_shapes(grad, q, k, v)
+    assert len(calls) >= 2  # the forward and at least one backward kernel
+    for shapes in calls:  # every kernel takes (q, k, v, ...); the fused one k^T last
+        kv_operands = shapes[1:3] + (shapes[6:7] if len(shapes) == 7 else [])
+        assert all(s[1] == 2 for s in kv_operands) and shapes[0][1] == 8, shapes
+
+
+@pytest.mark.tpu
+@pytest.mark.parametrize("topology", ["v5e:1x1", "v6e:1x1"])
+def test_gqa_gradient_compiles_for_tpu(topology):
+    q = jax.ShapeDtypeStruct((1, 8, 1024, 128), BF16)
+    kv = jax.ShapeDtypeStruct((1, 2, 1024, 128), BF16)
+
+    def loss(q, k, v):
+        return flashlib.attention(q, k, v, causal=True, impl="pallas", interpret=False).astype(jnp.float32).sum()
+
+    check = compile_for_tpu(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv, topology=topology)
+    assert check.ok, check.compiler_message
