@@ -402,10 +402,11 @@ def bundle_stats(fn: Callable[..., Any] | str, *args: Any, topology: str = "v5e:
 
 
 def flashlib_forward(q, k, v, *, causal: bool, block_q: int, block_k: int, generation: str | None = None,
-                     block_k_major: int | None = None):
-    """flashlib's Pallas forward kernel, compiled (not interpreted), with the given blocks."""
+                     block_k_major: int | None = None, window: tuple[int | None, int | None] | None = None):
+    """flashlib's Pallas forward kernel, compiled (not interpreted), with the given blocks (and window)."""
     sizes = BlockSizes(block_q=block_q, block_k=block_k, generation=generation, block_k_major=block_k_major)
-    return flashlib.attention(q, k, v, causal=causal, impl="pallas", interpret=False, block_sizes=sizes)
+    return flashlib.attention(q, k, v, causal=causal, impl="pallas", interpret=False, block_sizes=sizes,
+                              window=window)
 
 
 def jax_flash_forward(q, k, v, *, causal: bool, block_q: int, block_k: int, block_k_major: int):

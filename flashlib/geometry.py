@@ -1,13 +1,18 @@
-"""The geometry of the causal mask: which query sees which key, and which blocks of a grid that decides.
+"""The geometry of the mask's band: which query sees which key, and which blocks of a grid that decides.
 
 Bottom-right alignment throughout (the KV-cache convention of FlashAttention >= 2.1): query ``i`` sees key
-``j`` when ``j <= i + kv_len - q_len``. One rule at three grains:
+``j`` when ``j <= i + kv_len - q_len`` (causal), or — with a sliding window ``(left, right)`` — when ``j`` lies
+within ``left`` keys before and ``right`` keys after that diagonal key. Causal attention is the band ``(None,
+0)`` (:func:`band`). One rule at three grains:
 
-* elements — :func:`causal_visible`, for the oracle, the pure-JAX stages and the kernels' element masks;
-* blocks — :func:`block_is_visible`, :func:`block_needs_mask`, :func:`last_key_seen`,
-  :func:`first_query_seeing`: what a kernel's ``pl.when`` guards and index maps decide per grid step;
-* grids — :func:`first_query_blocks`, :func:`last_kv_blocks`, :func:`visited_blocks`, :func:`forward_tiles`:
-  the same decisions for a whole grid at once, which :mod:`flashlib.cost` counts.
+* elements — :func:`causal_visible` (and :mod:`flashlib.masks` for windows and segments), for the oracle,
+  the pure-JAX stages and the kernels' element masks;
+* blocks — :func:`block_is_visible`, :func:`block_needs_mask`, :func:`last_key_seen`, :func:`first_key_seen`,
+  :func:`first_query_seeing`, :func:`last_query_seeing`, :func:`live_range`: what a kernel's ``pl.when``
+  guards and index maps decide per grid step;
+* grids — :func:`first_query_blocks`, :func:`last_kv_blocks`, :func:`visited_blocks`, :func:`forward_tiles`,
+  :func:`live_steps`: the same decisions for a whole grid at once, which :mod:`flashlib.cost` counts and
+  the kernels size their grids by.
 
 Everything is plain arithmetic, so one function runs on Python ints, NumPy arrays and the traced program
 ids inside a kernel: the kernel and its cost estimate cannot disagree about a block. Like JAX's splash
@@ -16,21 +21,31 @@ attention keeps its mask geometry beside its masks, this module is the only plac
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from flashlib.tiling import round_up
 
 __all__ = [
     "MASK_VALUE",
+    "band",
     "block_is_visible",
     "block_needs_mask",
     "causal_visible",
+    "compacts",
+    "fetched_block",
+    "first_key_seen",
     "first_query_blocks",
     "first_query_seeing",
     "forward_tiles",
     "last_key_seen",
     "last_kv_blocks",
+    "last_query_seeing",
+    "live_range",
+    "live_steps",
     "splits_rows",
+    "visited_block",
     "visited_blocks",
 ]
 
@@ -46,40 +61,169 @@ def causal_visible(q_pos, kv_pos, *, q_len: int, kv_len: int):
     return kv_pos <= q_pos + (kv_len - q_len)
 
 
-def block_is_visible(q_block, kv_block, *, block_q: int, block_k: int, q_len: int, kv_len: int, causal: bool):
-    """True unless the whole key block lies above the diagonal for every row of the query block.
+def band(causal: bool, window=None) -> tuple[int | None, int | None]:
+    """``(left, right)``: the keys query ``i`` may see, as offsets from its diagonal key ``i + kv_len - q_len``
+    (``None``: unbounded on that side). Causal attention is the band ``(None, 0)``; a window ``(left, right)``
+    narrows it (:mod:`flashlib.masks`); both together take the narrower right side."""
+    left, right = (None, None) if window is None else window
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    return left, right
 
-    The block's last row (padding rows included) sees keys up to ``(q_block + 1) * block_q - 1 + kv_len -
-    q_len``; the key block starts at ``kv_block * block_k``.
+
+def block_is_visible(q_block, kv_block, *, block_q: int, block_k: int, q_len: int, kv_len: int, causal: bool,
+                     window=None):
+    """True unless every element of the block lies outside the band (:func:`band`): above the diagonal
+    (causal, or past a window's right side) or left of a window's left side, for every row of the query block.
+
+    The block's rows (padding rows included) together see keys ``first_key_seen`` to ``last_key_seen``; the
+    key block spans ``kv_block * block_k`` to ``(kv_block + 1) * block_k - 1``.
     """
-    if not causal:
-        return True
-    return kv_block * block_k <= last_key_seen(q_block, block_q=block_q, q_len=q_len, kv_len=kv_len)
+    left, right = band(causal, window)
+    visible = True
+    if right is not None:
+        visible = kv_block * block_k <= last_key_seen(q_block, block_q=block_q, q_len=q_len, kv_len=kv_len,
+                                                      right=right)
+    if left is not None:
+        visible = visible & ((kv_block + 1) * block_k - 1 >= first_key_seen(q_block, block_q=block_q, q_len=q_len,
+                                                                             kv_len=kv_len, left=left))
+    return visible
 
 
-def block_needs_mask(q_block, kv_block, *, block_q: int, block_k: int, q_len: int, kv_len: int, causal: bool):
-    """True where a visited block must build an element mask: it holds padded keys, or (causal) its last
-    key lies beyond what the block's first row may see, so it straddles the diagonal."""
+def block_needs_mask(q_block, kv_block, *, block_q: int, block_k: int, q_len: int, kv_len: int, causal: bool,
+                     window=None):
+    """True where a visited block must build an element mask: it holds padded keys, or some row of it does
+    not see all of its keys — its last key lies beyond what the block's first row may see (it straddles the
+    diagonal or a window's right edge), or its first key lies before what the last row may see (a window's
+    left edge)."""
     holds_padding = (kv_block + 1) * block_k > kv_len
-    if not causal:
-        return holds_padding
-    straddles = (kv_block + 1) * block_k - 1 > q_block * block_q + (kv_len - q_len)
-    return holds_padding | straddles
+    left, right = band(causal, window)
+    needs = holds_padding
+    if right is not None:
+        needs = needs | ((kv_block + 1) * block_k - 1 > q_block * block_q + (kv_len - q_len) + right)
+    if left is not None:
+        needs = needs | (kv_block * block_k < (q_block + 1) * block_q - 1 + (kv_len - q_len) - left)
+    return needs
 
 
-def last_key_seen(q_block, *, block_q: int, q_len: int, kv_len: int):
-    """The last key position any row of the query block may see (its last row's limit; may be < 0)."""
-    return (q_block + 1) * block_q - 1 + (kv_len - q_len)
+def last_key_seen(q_block, *, block_q: int, q_len: int, kv_len: int, right: int = 0):
+    """The last key position any row of the query block may see (its last row's limit; may be < 0), for a
+    band reaching ``right`` keys past the diagonal (0: causal)."""
+    return (q_block + 1) * block_q - 1 + (kv_len - q_len) + right
 
 
-def first_query_seeing(kv_block, *, block_k: int, q_len: int, kv_len: int):
+def first_key_seen(q_block, *, block_q: int, q_len: int, kv_len: int, left: int):
+    """The first key position any row of the query block may see (its first row's limit; may be < 0 or past
+    the keys), for a band reaching ``left`` keys before the diagonal."""
+    return q_block * block_q + (kv_len - q_len) - left
+
+
+def first_query_seeing(kv_block, *, block_k: int, q_len: int, kv_len: int, right: int = 0):
     """The first query position that may see any key of the key block (may be < 0: every query does).
 
-    Query ``i`` sees key ``j`` when ``j <= i + kv_len - q_len``; the block's first key is ``kv_block * block_k``.
-    Query block ``i`` visits key block ``j`` (:func:`block_is_visible`) exactly when ``i >= max(first, 0) //
-    block_q``, which is where the dK/dV kernel's query index map clamps.
+    Query ``i`` sees key ``j`` when ``j <= i + kv_len - q_len + right`` (``right`` 0: causal); the block's first
+    key is ``kv_block * block_k``. Query block ``i`` visits key block ``j`` (:func:`block_is_visible`) exactly
+    when ``i >= max(first, 0) // block_q``, which is where the dK/dV kernel's query index map clamps.
     """
-    return kv_block * block_k - (kv_len - q_len)
+    return kv_block * block_k - (kv_len - q_len) - right
+
+
+def last_query_seeing(kv_block, *, block_k: int, q_len: int, kv_len: int, left: int):
+    """The last query position that may see any key of the key block, for a band reaching ``left`` keys
+    before the diagonal: query ``i`` sees key ``j`` when ``j >= i + kv_len - q_len - left``."""
+    return (kv_block + 1) * block_k - 1 - (kv_len - q_len) + left
+
+
+def live_range(outer, *, outer_block: int, inner_block: int, num_inner: int, q_len: int, kv_len: int,
+               causal: bool, window=None, keys_inner: bool = True):
+    """``(first, last)`` inner blocks that block ``outer`` of the other axis needs, clamped to ``[0, num_inner
+    - 1]`` (``last < first`` never: an outer block that needs nothing gets one block, which its guard skips).
+
+    ``keys_inner``: the inner axis holds key blocks and ``outer`` is a query block (the forward and dQ
+    kernels); else the inner axis holds query blocks and ``outer`` is a key block (the dK/dV kernel). Works on
+    ints, NumPy arrays and traced program ids (``lax.div``-free: floors of values clamped to >= 0).
+    """
+    left, right = band(causal, window)
+    geo = dict(q_len=q_len, kv_len=kv_len)
+    maximum, minimum = _ops(outer)
+    everything = (0 * outer, 0 * outer + num_inner * inner_block - 1)  # an unbounded side, shaped like outer
+    if keys_inner:
+        first = everything[0] if left is None else first_key_seen(outer, block_q=outer_block, left=left, **geo)
+        last = everything[1] if right is None else last_key_seen(outer, block_q=outer_block, right=right, **geo)
+    else:
+        first = everything[0] if right is None else first_query_seeing(outer, block_k=outer_block, right=right, **geo)
+        last = everything[1] if left is None else last_query_seeing(outer, block_k=outer_block, left=left, **geo)
+    first = minimum(_floor_div(maximum(first, 0), inner_block), num_inner - 1)
+    last = maximum(minimum(_floor_div(maximum(last, 0), inner_block), num_inner - 1), first)
+    return first, last
+
+
+def compacts(causal: bool, window=None) -> bool:
+    """Whether a kernel's inner grid axis walks only each outer block's :func:`live_range` (grid compaction):
+    for a band bounded on the left (a window), where the live range stays the same length as the sequences
+    grow. Otherwise the inner axis is every block, and the band's guard skips what lies outside it."""
+    return band(causal, window)[0] is not None
+
+
+def visited_block(outer, step, *, outer_block: int, inner_block: int, num_inner: int, q_len: int, kv_len: int,
+                  causal: bool, window=None, keys_inner: bool = True):
+    """``(block, live)``: the inner block that grid step ``step`` of outer block ``outer`` computes on, and
+    whether the step computes at all. Compacting (:func:`compacts`): ``first + step`` of the live range, live
+    up to its last block; otherwise block ``step`` itself, always live (the kernels' :func:`block_is_visible`
+    guard does the skipping)."""
+    if not compacts(causal, window):
+        return step, True
+    first, last = live_range(outer, outer_block=outer_block, inner_block=inner_block, num_inner=num_inner,
+                             q_len=q_len, kv_len=kv_len, causal=causal, window=window, keys_inner=keys_inner)
+    return first + step, first + step <= last
+
+
+def fetched_block(outer, step, *, outer_block: int, inner_block: int, num_inner: int, q_len: int, kv_len: int,
+                  causal: bool, window=None, keys_inner: bool = True):
+    """The inner block an index map fetches at grid step ``step`` of outer block ``outer``: the visited block
+    (:func:`visited_block`) clamped into the live range, so a step that skips repeats its neighbour's index
+    and the pipeline copies nothing for it. Without compaction only the band's right side clamps (causal):
+    a query block's keys stop at its last visible block, a key block's queries start at its first."""
+    geo = dict(outer_block=outer_block, inner_block=inner_block, num_inner=num_inner, q_len=q_len, kv_len=kv_len,
+               causal=causal, window=window, keys_inner=keys_inner)
+    if compacts(causal, window):
+        first, last = live_range(outer, **geo)
+        return _ops(outer)[1](first + step, last)
+    right = band(causal, window)[1]
+    if right is None:
+        return step
+    maximum, minimum = _ops(outer)
+    if keys_inner:  # the last key block the query block sees
+        last_key = maximum(last_key_seen(outer, block_q=outer_block, q_len=q_len, kv_len=kv_len, right=right), 0)
+        return minimum(step, _floor_div(last_key, inner_block))
+    first_query = maximum(first_query_seeing(outer, block_k=outer_block, q_len=q_len, kv_len=kv_len, right=right), 0)
+    return maximum(step, _floor_div(first_query, inner_block))
+
+
+def live_steps(num_outer: int, *, outer_block: int, inner_block: int, num_inner: int, q_len: int, kv_len: int,
+               causal: bool, window=None, keys_inner: bool = True) -> int:
+    """The inner grid axis a kernel needs when it walks each outer block's :func:`live_range` from its
+    ``first`` block: the longest range. With a two-sided window this stays constant as the sequences grow
+    (the cost is linear in length); with causal alone or no mask it is every inner block."""
+    first, last = live_range(np.arange(num_outer), outer_block=outer_block, inner_block=inner_block,
+                             num_inner=num_inner, q_len=q_len, kv_len=kv_len, causal=causal, window=window,
+                             keys_inner=keys_inner)
+    return int(np.max(last - first + 1))
+
+
+def _ops(x):
+    """``(maximum, minimum)`` for ``x``'s kind: NumPy for ints and NumPy arrays, jnp for traced values."""
+    if isinstance(x, (int, np.integer, np.ndarray)):
+        return np.maximum, np.minimum
+    return jnp.maximum, jnp.minimum
+
+
+def _floor_div(x, d: int):
+    """``x // d`` for ``x >= 0``: ``lax.div`` (truncation) on traced values — Mosaic lowers it without the
+    sign() jnp's floor division needs — and ``//`` on NumPy."""
+    if isinstance(x, (int, np.integer, np.ndarray)):
+        return x // d
+    return lax.div(x, d)
 
 
 def first_query_blocks(q_len: int, kv_len: int, block_q: int, block_k: int, causal: bool) -> np.ndarray:

@@ -36,8 +36,15 @@ Grouped-query attention: a group's query heads read one kv head (``h // group`` 
 and V are never repeated in HBM); dK and dV come out per query head, in f32, and
 :func:`flashlib.kernels.tpu_backward.backward` sums each group — FlashAttention 2's way for MQA/GQA.
 
-Longer than 400 lines because the three kernels share one block visitor, one mask, one set of BlockSpecs and
-one accumulation step; apart, each piece would be read without the kernels it serves.
+The variants (:mod:`flashlib.kernels.variants`) follow the forward's: the window's band decides the three
+kinds of block, and with a left edge the dK/dV kernel's query axis and the dQ kernel's key axis walk only the
+live blocks (the fused kernel's cannot — its dQ^T spans the whole query axis — so such windows run the
+separate kernels); the soft-cap multiplies ``dS`` by ``1 - tanh^2``; segment ids mask every visited block;
+a sink needs nothing here (the lse includes it; ``dsinks`` is summed in :mod:`~flashlib.kernels.tpu_backward`);
+``v`` and ``dO`` may have their own head_dim.
+
+Longer than 400 lines because the three kernels share one block visitor, one mask, one set of BlockSpecs, one
+accumulation step and the variants' masks; apart, each piece would be read without the kernels it serves.
 
 All three run the forward's three kinds of block: causal blocks above the diagonal are skipped (a
 ``pl.when`` on the program ids, and an index map clamped so the skipped steps fetch nothing new), blocks
@@ -50,6 +57,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -58,32 +66,32 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from flashlib import cost, geometry
-from flashlib.geometry import MASK_VALUE, causal_visible
 from flashlib.kernels.block_sizes import BlockSizes, vmem_limit_bytes
-from flashlib.kernels.scores import NT_DIMS, base2_scores, lanes_to
+from flashlib.kernels.scores import NT_DIMS, base2_scores, lanes_to, sublanes_to
+from flashlib.kernels.variants import PLAIN, KernelVariants, mask_scores, soft_cap
 from flashlib.tiling import NUM_LANES, NUM_SUBLANES, round_up
 
 PARALLEL, ARBITRARY = "parallel", "arbitrary"
 
 
-def _sublanes_to(rows: jax.Array, height: int) -> jax.Array:
-    """A sublane-replicated ``[8, n]`` row block as ``[height, n]`` (height a multiple of 8): whole-vreg copies."""
-    return jnp.tile(rows, (height // NUM_SUBLANES, 1))
-
-
 def _rows_to_columns(rows: jax.Array) -> jax.Array:
     """A sublane-replicated ``[8, n]`` row block as a lane-replicated ``[n, 128]`` column block: fill a
     ``[128, n]`` square with whole-vreg copies, then transpose it once."""
-    return _sublanes_to(rows, NUM_LANES).T
+    return sublanes_to(rows, NUM_LANES).T
 
 
-def _visit_block(body: Callable[[bool], None], q_block, kv_block, *, may_mask: bool, block_geometry: dict) -> None:
-    """Run ``body(masked)`` on the three kinds of block: skipped (causal, above the diagonal), masked
-    (straddles the diagonal or holds padded keys), plain. ``may_mask`` False: every block is plain."""
+def _visit_block(body: Callable[[bool], None], q_block, kv_block, *, may_mask: bool, segments: bool = False,
+                 live=True, block_geometry: dict) -> None:
+    """Run ``body(masked)`` on the three kinds of block: skipped (outside the band, or ``live`` False: a step
+    past the outer block's live range), masked (on the band's edge or holding padded keys; every visited
+    block with ``segments``), plain. ``may_mask`` False: every block is plain (and live)."""
     if not may_mask:
         body(False)
         return
-    block_visible = geometry.block_is_visible(q_block, kv_block, **block_geometry)
+    block_visible = live & geometry.block_is_visible(q_block, kv_block, **block_geometry)
+    if segments:  # segment ids are data: every visited block builds the mask
+        pl.when(block_visible)(lambda: body(True))
+        return
     needs_mask = geometry.block_needs_mask(q_block, kv_block, **block_geometry)
 
     @pl.when(block_visible & needs_mask)
@@ -95,22 +103,32 @@ def _visit_block(body: Callable[[bool], None], q_block, kv_block, *, may_mask: b
         body(False)
 
 
-def _mask_scores(scores: jax.Array, q_start, kv_start, *, keys_on_rows: bool, q_len: int, kv_len: int,
-                 causal: bool) -> jax.Array:
-    """``scores`` with every invisible element set to ``MASK_VALUE``: a padded key or (causal) a key in the
-    query's future. ``keys_on_rows``: the tile is transposed, ``[block_k, block_q]`` (else ``[block_q,
-    block_k]``); ``q_start``, ``kv_start``: the positions of its first query and its first key.
+class _Refs(NamedTuple):
+    """The inputs every backward kernel reads, each ``[block, ...]``: q, k, v, dO; the lse and D rows ``[8,
+    block_q]``; and with segment ids, the queries' and keys' ids in the layout the kernel's tile needs."""
 
-    The forward kernel builds the same mask relative to the tile's corner (an iota difference against one
-    scalar); here that form estimated more cycles (``data/optimisation/backward_README.md``), so the backward
-    kernels keep absolute positions."""
-    q_axis, kv_axis = (1, 0) if keys_on_rows else (0, 1)
-    q_pos = q_start + lax.broadcasted_iota(jnp.int32, scores.shape, q_axis)  # like scores
-    kv_pos = kv_start + lax.broadcasted_iota(jnp.int32, scores.shape, kv_axis)  # like scores
-    visible = kv_pos < kv_len  # like scores
-    if causal:
-        visible &= causal_visible(q_pos, kv_pos, q_len=q_len, kv_len=kv_len)
-    return jnp.where(visible, scores, MASK_VALUE)
+    q: Any
+    k: Any
+    v: Any
+    do: Any
+    lse: Any
+    d: Any
+    q_ids: Any = None
+    kv_ids: Any = None
+
+
+def _take_refs(refs: tuple, segments: bool) -> tuple[_Refs, list]:
+    """Split a kernel's positional refs into its :class:`_Refs` and the rest (outputs, scratch)."""
+    count = 8 if segments else 6
+    return _Refs(*refs[:count]), list(refs[count:])
+
+
+def _scores(a, b, *, scale: float, variants: KernelVariants):
+    """Base-2 scores ``a b^T`` (soft-capped if asked) and the cap's ``tanh`` (None without a cap)."""
+    s = base2_scores(a, b, scale)
+    if variants.softcap is None:
+        return s, None
+    return soft_cap(s, variants.softcap)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -118,71 +136,84 @@ def _mask_scores(scores: jax.Array, q_start, kv_start, *, keys_on_rows: bool, q_
 # ---------------------------------------------------------------------------------------------------
 
 
-def _accumulate_dkv(in_refs, dk_acc_ref, dv_acc_ref, q_block, kv_block, *, masked: bool, causal: bool,
-                    scale: float, q_len: int, kv_len: int) -> jax.Array:
+def _accumulate_dkv(refs: _Refs, dk_acc_ref, dv_acc_ref, q_block, kv_block, *, masked: bool, causal: bool,
+                    scale: float, q_len: int, kv_len: int, variants: KernelVariants) -> jax.Array:
     """One grid step of the dK/dV and fused kernels: ``dV += P^T dO`` and ``dK += dS^T q`` (unscaled) into
     the ``[block_k, head_dim]`` f32 accumulators; returns ``dS^T [block_k, block_q]`` in q's dtype."""
-    q_ref, k_ref, v_ref, do_ref, lse_ref, d_ref = in_refs
-    block_q, block_k = q_ref.shape[0], k_ref.shape[0]
-    q, k, do = q_ref[...], k_ref[...], do_ref[...]  # [block_q, d], [block_k, d], [block_q, d]
-    s_t = base2_scores(k, q, scale)  # [block_k, block_q]   base 2, the forward's scores transposed
+    block_q, block_k = refs.q.shape[0], refs.k.shape[0]
+    q, k, do = refs.q[...], refs.k[...], refs.do[...]  # [block_q, d], [block_k, d], [block_q, dv]
+    s_t, tanh_t = _scores(k, q, scale=scale, variants=variants)  # [block_k, block_q]   the forward's, transposed
     if masked:
-        s_t = _mask_scores(s_t, q_block * block_q, kv_block * block_k, keys_on_rows=True, q_len=q_len,
-                           kv_len=kv_len, causal=causal)  # [block_k, block_q]
-    p_t = jnp.exp2(s_t - _sublanes_to(lse_ref[...], block_k))  # [block_k, block_q]   0 where masked
-    dv_acc_ref[...] += jnp.dot(p_t.astype(do.dtype), do, preferred_element_type=jnp.float32)  # [block_k, d]
-    dp_t = lax.dot_general(v_ref[...], do, NT_DIMS, preferred_element_type=jnp.float32)  # [block_k, block_q]
-    ds_t = (p_t * (dp_t - _sublanes_to(d_ref[...], block_k))).astype(q.dtype)  # [block_k, block_q]
+        ids = {}
+        if refs.q_ids is not None:  # keys' ids down the rows, queries' along the lanes
+            ids = dict(q_ids=sublanes_to(refs.q_ids[...], block_k), kv_ids=lanes_to(refs.kv_ids[...], block_q))
+        s_t = mask_scores(s_t, q_block * block_q, kv_block * block_k, keys_on_rows=True, q_len=q_len,
+                          kv_len=kv_len, causal=causal, window=variants.window, **ids)  # [block_k, block_q]
+    p_t = jnp.exp2(s_t - sublanes_to(refs.lse[...], block_k))  # [block_k, block_q]   0 where masked
+    dv_acc_ref[...] += jnp.dot(p_t.astype(do.dtype), do, preferred_element_type=jnp.float32)  # [block_k, dv]
+    dp_t = lax.dot_general(refs.v[...], do, NT_DIMS, preferred_element_type=jnp.float32)  # [block_k, block_q]
+    ds_t = p_t * (dp_t - sublanes_to(refs.d[...], block_k))  # [block_k, block_q]
+    if tanh_t is not None:
+        ds_t = ds_t * (1.0 - tanh_t * tanh_t)  # through the soft-cap: d(C tanh(s / C)) / ds
+    ds_t = ds_t.astype(q.dtype)
     dk_acc_ref[...] += jnp.dot(ds_t, q, preferred_element_type=jnp.float32)  # [block_k, d]
     return ds_t
 
 
 def _dkv_kernel(
-    q_ref, k_ref, v_ref, do_ref,  # [block_q, head_dim], [block_k, head_dim] x 2, [block_q, head_dim]
-    lse_ref, d_ref,  # [8, block_q] f32, sublane-replicated; lse in base 2
-    dk_ref, dv_ref,  # out [block_k, head_dim]
-    dk_acc_ref, dv_acc_ref,  # scratch [block_k, head_dim] f32
-    *, causal: bool, scale: float, q_len: int, kv_len: int, has_padding: bool,
+    *refs,  # q [block_q, d], k [block_k, d], v [block_k, dv], dO [block_q, dv], lse and D [8, block_q] f32 (lse
+            # base 2), (segment ids: q [8, block_q], kv [block_k, 128]); out dK [block_k, d], dV [block_k, dv];
+            # scratch: their f32 accumulators
+    causal: bool, scale: float, q_len: int, kv_len: int, has_padding: bool, variants: KernelVariants,
+    num_q_blocks: int,
 ):
-    in_refs = (q_ref, k_ref, v_ref, do_ref, lse_ref, d_ref)
-    block_geometry = dict(block_q=q_ref.shape[0], block_k=k_ref.shape[0], q_len=q_len, kv_len=kv_len, causal=causal)
-    kv_block, q_block = pl.program_id(2), pl.program_id(3)
+    in_refs, (dk_ref, dv_ref, dk_acc_ref, dv_acc_ref) = _take_refs(refs, variants.segments)
+    block_q, block_k = in_refs.q.shape[0], in_refs.k.shape[0]
+    block_geometry = dict(block_q=block_q, block_k=block_k, q_len=q_len, kv_len=kv_len, causal=causal,
+                          window=variants.window)
+    kv_block = pl.program_id(2)
+    # with a window bounded on the left, the query axis walks only this key block's live query blocks
+    q_block, live = geometry.visited_block(kv_block, pl.program_id(3), outer_block=block_k, inner_block=block_q,
+                                           num_inner=num_q_blocks, q_len=q_len, kv_len=kv_len, causal=causal,
+                                           window=variants.window, keys_inner=False)
 
-    @pl.when(q_block == 0)
+    @pl.when(pl.program_id(3) == 0)
     def init():
         dk_acc_ref[...] = jnp.zeros(dk_acc_ref.shape, jnp.float32)  # [block_k, head_dim]
-        dv_acc_ref[...] = jnp.zeros(dv_acc_ref.shape, jnp.float32)  # [block_k, head_dim]
+        dv_acc_ref[...] = jnp.zeros(dv_acc_ref.shape, jnp.float32)  # [block_k, v_head_dim]
 
     def body(masked: bool):
         _accumulate_dkv(in_refs, dk_acc_ref, dv_acc_ref, q_block, kv_block, masked=masked, causal=causal,
-                        scale=scale, q_len=q_len, kv_len=kv_len)
+                        scale=scale, q_len=q_len, kv_len=kv_len, variants=variants)
 
-    _visit_block(body, q_block, kv_block, may_mask=causal or has_padding, block_geometry=block_geometry)
+    _visit_block(body, q_block, kv_block, may_mask=variants.may_mask(causal, has_padding), segments=variants.segments,
+                 live=live, block_geometry=block_geometry)
 
-    @pl.when(q_block == pl.num_programs(3) - 1)
+    @pl.when(pl.program_id(3) == pl.num_programs(3) - 1)
     def finalize():
         dk_ref[...] = (dk_acc_ref[...] * scale).astype(dk_ref.dtype)  # [block_k, head_dim]   scale once, here
-        dv_ref[...] = dv_acc_ref[...].astype(dv_ref.dtype)  # [block_k, head_dim]
+        dv_ref[...] = dv_acc_ref[...].astype(dv_ref.dtype)  # [block_k, v_head_dim]
 
 
 def _fused_kernel(
-    q_ref, k_ref, v_ref, do_ref, lse_ref, d_ref,  # as in _dkv_kernel
-    k_t_ref,  # [head_dim, block_k]   k^T
-    dk_ref, dv_ref, dq_t_ref,  # out: as in _dkv_kernel; [head_dim, block_q]
-    dk_acc_ref, dv_acc_ref, dq_t_acc_ref,  # scratch: as in _dkv_kernel; [head_dim, Tq] f32, the whole head's dQ^T
-    *, causal: bool, scale: float, q_len: int, kv_len: int, has_padding: bool,
+    *refs,  # as in _dkv_kernel, then k^T [head_dim, block_k]; out: dK, dV, dQ^T [head_dim, block_q]; scratch:
+            # the dK, dV accumulators and dQ^T [head_dim, Tq] f32, the whole head's
+    causal: bool, scale: float, q_len: int, kv_len: int, has_padding: bool, variants: KernelVariants,
 ):
-    """:func:`_dkv_kernel`, and with the ``dS^T`` tile it already has, ``dQ^T[:, q block] += k^T dS^T``."""
-    in_refs = (q_ref, k_ref, v_ref, do_ref, lse_ref, d_ref)
-    block_q, block_k = q_ref.shape[0], k_ref.shape[0]
+    """:func:`_dkv_kernel`, and with the ``dS^T`` tile it already has, ``dQ^T[:, q block] += k^T dS^T``. Its
+    query axis is the whole sequence (a window bounded on the left runs the separate kernels, which compact)."""
+    in_refs, (k_t_ref, dk_ref, dv_ref, dq_t_ref, dk_acc_ref, dv_acc_ref, dq_t_acc_ref) = _take_refs(
+        refs, variants.segments)
+    block_q, block_k = in_refs.q.shape[0], in_refs.k.shape[0]
     kv_block, q_block = pl.program_id(2), pl.program_id(3)
-    block_geometry = dict(block_q=block_q, block_k=block_k, q_len=q_len, kv_len=kv_len, causal=causal)
+    block_geometry = dict(block_q=block_q, block_k=block_k, q_len=q_len, kv_len=kv_len, causal=causal,
+                          window=variants.window)
     q_columns = pl.ds(pl.multiple_of(q_block * block_q, block_q), block_q)  # this query block in dQ^T
 
     @pl.when(q_block == 0)
     def init():
         dk_acc_ref[...] = jnp.zeros(dk_acc_ref.shape, jnp.float32)  # [block_k, head_dim]
-        dv_acc_ref[...] = jnp.zeros(dv_acc_ref.shape, jnp.float32)  # [block_k, head_dim]
+        dv_acc_ref[...] = jnp.zeros(dv_acc_ref.shape, jnp.float32)  # [block_k, v_head_dim]
 
     @pl.when(kv_block == 0)
     def init_dq():
@@ -190,16 +221,17 @@ def _fused_kernel(
 
     def body(masked: bool):
         ds_t = _accumulate_dkv(in_refs, dk_acc_ref, dv_acc_ref, q_block, kv_block, masked=masked, causal=causal,
-                               scale=scale, q_len=q_len, kv_len=kv_len)  # [block_k, block_q]
+                               scale=scale, q_len=q_len, kv_len=kv_len, variants=variants)  # [block_k, block_q]
         dq_t = jnp.dot(k_t_ref[...], ds_t, preferred_element_type=jnp.float32)  # [d, block_q]   no transpose
         dq_t_acc_ref[:, q_columns] += dq_t
 
-    _visit_block(body, q_block, kv_block, may_mask=causal or has_padding, block_geometry=block_geometry)
+    _visit_block(body, q_block, kv_block, may_mask=variants.may_mask(causal, has_padding), segments=variants.segments,
+                 block_geometry=block_geometry)
 
     @pl.when(q_block == pl.num_programs(3) - 1)
     def finalize():
         dk_ref[...] = (dk_acc_ref[...] * scale).astype(dk_ref.dtype)  # [block_k, head_dim]   scale once, here
-        dv_ref[...] = dv_acc_ref[...].astype(dv_ref.dtype)  # [block_k, head_dim]
+        dv_ref[...] = dv_acc_ref[...].astype(dv_ref.dtype)  # [block_k, v_head_dim]
 
     @pl.when(kv_block == pl.num_programs(2) - 1)
     def finalize_dq():
@@ -211,18 +243,19 @@ def _kv_head(h, group: int):
     return h if group == 1 else lax.div(h, group)
 
 
-def _dkv_specs(head_dim: int, block_q: int, block_k: int, *, causal: bool, q_len: int, kv_len: int, group: int = 1):
-    """The BlockSpecs of the dK/dV and fused grids ``(b, h, kv block j, q block i)``: ``(q_spec, kv_spec,
-    row_spec, dkv_spec)`` for q and dO, for k and v (the group's kv head), for the lse and D rows, and for
-    dK and dV (per query head: with GQA the group's heads are summed afterwards, FlashAttention 2's way)."""
+def _dkv_specs(head_dim: int, v_head_dim: int, block_q: int, block_k: int, *, causal: bool, q_len: int,
+               kv_len: int, group: int = 1, window=None, segments: bool = False):
+    """The BlockSpecs of the dK/dV and fused grids ``(b, h, kv block j, q step i)``, in the kernels' input order:
+    q, k, v, dO, the lse and D rows (and the segment ids); then the outputs dK and dV (per query head: with
+    GQA the group's heads are summed afterwards, FlashAttention 2's way). Grid step ``i`` reads the query block
+    :func:`flashlib.geometry.fetched_block` names: with a window bounded on the left, ``first + i`` of key block
+    ``j``'s live range clamped to its last; else block ``i`` raised to the first the key block needs. Either way
+    a skipped step keeps its neighbour's index, so the pipeline copies nothing for it."""
+    num_q_blocks = -(-q_len // block_q)
 
-    def visited_q_block(j, i):
-        """Query block ``i``, or — before the first query block that sees key block ``j`` — that block:
-        the skipped steps keep the same index, so the pipeline copies nothing for them."""
-        if not causal:
-            return i
-        first_query = jnp.maximum(geometry.first_query_seeing(j, block_k=block_k, q_len=q_len, kv_len=kv_len), 0)
-        return jnp.maximum(i, lax.div(first_query, block_q))  # lax.div: floor of a value >= 0, no sign()
+    def q_block_of(j, i):
+        return geometry.fetched_block(j, i, outer_block=block_k, inner_block=block_q, num_inner=num_q_blocks,
+                                      q_len=q_len, kv_len=kv_len, causal=causal, window=window, keys_inner=False)
 
     def kv_index_map(b, h, j, i):
         return b, _kv_head(h, group), j, 0
@@ -231,20 +264,29 @@ def _dkv_specs(head_dim: int, block_q: int, block_k: int, *, causal: bool, q_len
         return b, h, j, 0
 
     def q_index_map(b, h, j, i):
-        return b, h, visited_q_block(j, i), 0
+        return b, h, q_block_of(j, i), 0
 
     def row_stat_index_map(b, h, j, i):
-        return b, h, 0, visited_q_block(j, i)
+        return b, h, 0, q_block_of(j, i)
 
     squeezed = pl.squeezed
-    return (pl.BlockSpec((squeezed, squeezed, block_q, head_dim), q_index_map),
-            pl.BlockSpec((squeezed, squeezed, block_k, head_dim), kv_index_map),
-            pl.BlockSpec((squeezed, squeezed, NUM_SUBLANES, block_q), row_stat_index_map),
-            pl.BlockSpec((squeezed, squeezed, block_k, head_dim), dkv_index_map))
+    row_spec = pl.BlockSpec((squeezed, squeezed, NUM_SUBLANES, block_q), row_stat_index_map)
+    in_specs = [pl.BlockSpec((squeezed, squeezed, block_q, head_dim), q_index_map),
+                pl.BlockSpec((squeezed, squeezed, block_k, head_dim), kv_index_map),
+                pl.BlockSpec((squeezed, squeezed, block_k, v_head_dim), kv_index_map),
+                pl.BlockSpec((squeezed, squeezed, block_q, v_head_dim), q_index_map),
+                row_spec, row_spec]
+    if segments:  # q ids as rows [8, block_q], kv ids as columns [block_k, 128]
+        in_specs += [pl.BlockSpec((squeezed, NUM_SUBLANES, block_q), lambda b, h, j, i: (b, 0, q_block_of(j, i))),
+                     pl.BlockSpec((squeezed, block_k, NUM_LANES), lambda b, h, j, i: (b, j, 0))]
+    out_specs = [pl.BlockSpec((squeezed, squeezed, block_k, head_dim), dkv_index_map),
+                 pl.BlockSpec((squeezed, squeezed, block_k, v_head_dim), dkv_index_map)]
+    return in_specs, out_specs
 
 
 def _cost_estimate(kernel: str, dims: tuple, dtype, sizes: BlockSizes) -> pl.CostEstimate:
-    """``kernel``'s (``"dkv"``, ``"fused"``, ``"dq"``) pl.CostEstimate, from :mod:`flashlib.cost`."""
+    """``kernel``'s (``"dkv"``, ``"fused"``, ``"dq"``) pl.CostEstimate, from :mod:`flashlib.cost` (the causal
+    mask's count; a window's skipped blocks are not counted)."""
     return pl.CostEstimate(
         flops=cost.attention_backward_flops(*dims, block_sizes=sizes, kernel=kernel),
         transcendentals=cost.attention_backward_transcendentals(*dims, block_sizes=sizes, kernel=kernel),
@@ -252,46 +294,61 @@ def _cost_estimate(kernel: str, dims: tuple, dtype, sizes: BlockSizes) -> pl.Cos
     )
 
 
-def _dkv(q, k, v, do, lse_rows, d_rows, *, causal: bool, scale: float, q_len: int, kv_len: int,
-         sizes: BlockSizes, interpret) -> tuple[jax.Array, jax.Array]:
-    """dK, dV ``[b, h, num_kv_blocks * block_k, d]`` from padded inputs (rows past ``kv_len``: padding), per
-    query head ``h`` (with GQA in f32, for the caller to sum over each group)."""
+def _inputs(q, k, v, do, lse_rows, d_rows, ids, variants: KernelVariants, q_ids: str, kv_ids: str) -> list:
+    """The kernels' inputs in order, the segment ids in the layouts named (keys of ``segment_layouts``)."""
+    inputs = [q, k, v, do, lse_rows, d_rows]
+    if variants.segments:
+        inputs += [ids[q_ids], ids[kv_ids]]
+    return inputs
+
+
+def _dkv(q, k, v, do, lse_rows, d_rows, ids=None, *, causal: bool, scale: float, q_len: int, kv_len: int,
+         sizes: BlockSizes, interpret, variants: KernelVariants = PLAIN) -> tuple[jax.Array, jax.Array]:
+    """dK, dV ``[b, h, num_kv_blocks * block_k, d or dv]`` from padded inputs (rows past ``kv_len``: padding),
+    per query head ``h`` (with GQA in f32, for the caller to sum over each group). ``ids``: the segment ids'
+    layouts (:func:`~flashlib.kernels.variants.segment_layouts`) when ``variants.segments``."""
     batch, heads, _, head_dim = q.shape
-    group = heads // k.shape[1]
+    v_head_dim, group = v.shape[3], heads // k.shape[1]
     block_q, block_k = sizes.blocks("dkv")
     num_q_blocks, num_kv_blocks = -(-q_len // block_q), -(-kv_len // block_k)
-    q_spec, kv_spec, row_spec, dkv_spec = _dkv_specs(head_dim, block_q, block_k, causal=causal, q_len=q_len,
-                                                     kv_len=kv_len, group=group)
-    dkv_shape = (batch, heads, num_kv_blocks * block_k, head_dim)
+    geo = dict(causal=causal, q_len=q_len, kv_len=kv_len, window=variants.window)
+    in_specs, out_specs = _dkv_specs(head_dim, v_head_dim, block_q, block_k, group=group,
+                                     segments=variants.segments, **geo)
+    grid_q_steps = geometry.live_steps(num_kv_blocks, outer_block=block_k, inner_block=block_q,
+                                       num_inner=num_q_blocks, keys_inner=False, **geo)
     dk_dtype, dv_dtype = (k.dtype, v.dtype) if group == 1 else (jnp.float32, jnp.float32)
     kernel = functools.partial(_dkv_kernel, causal=causal, scale=scale, q_len=q_len, kv_len=kv_len,
-                               has_padding=num_kv_blocks * block_k != kv_len)
+                               has_padding=num_kv_blocks * block_k != kv_len, variants=variants,
+                               num_q_blocks=num_q_blocks)
     return pl.pallas_call(
         kernel,
-        grid=(batch, heads, num_kv_blocks, num_q_blocks),
-        in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec],
-        out_specs=[dkv_spec, dkv_spec],
-        out_shape=[jax.ShapeDtypeStruct(dkv_shape, dk_dtype), jax.ShapeDtypeStruct(dkv_shape, dv_dtype)],
+        grid=(batch, heads, num_kv_blocks, grid_q_steps),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=[jax.ShapeDtypeStruct((batch, heads, num_kv_blocks * block_k, head_dim), dk_dtype),
+                   jax.ShapeDtypeStruct((batch, heads, num_kv_blocks * block_k, v_head_dim), dv_dtype)],
         scratch_shapes=[
             pltpu.VMEM((block_k, head_dim), jnp.float32),  # dK accumulator
-            pltpu.VMEM((block_k, head_dim), jnp.float32),  # dV accumulator
+            pltpu.VMEM((block_k, v_head_dim), jnp.float32),  # dV accumulator
         ],
         compiler_params=pltpu.CompilerParams(dimension_semantics=(PARALLEL, PARALLEL, PARALLEL, ARBITRARY)),
         cost_estimate=_cost_estimate("dkv", (batch, heads, q_len, kv_len, head_dim, causal), q.dtype, sizes),
         interpret=interpret,
         name="flash_attention_dkv" + ("_causal" if causal else ""),
-    )(q, k, v, do, lse_rows, d_rows)
+    )(*_inputs(q, k, v, do, lse_rows, d_rows, ids, variants, "q_rows", "kv_columns"))
 
 
-def _fused(q, k, v, do, lse_rows, d_rows, *, causal: bool, scale: float, q_len: int, kv_len: int,
-           sizes: BlockSizes, interpret) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _fused(q, k, v, do, lse_rows, d_rows, ids=None, *, causal: bool, scale: float, q_len: int, kv_len: int,
+           sizes: BlockSizes, interpret, variants: KernelVariants = PLAIN
+           ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """dK, dV as :func:`_dkv` and dQ^T ``[b, h, d, num_q_blocks * block_q]`` (q padded to exactly that length)."""
     batch, heads, _, head_dim = q.shape
-    group = heads // k.shape[1]
+    v_head_dim, group = v.shape[3], heads // k.shape[1]
     block_q, block_k = sizes.blocks("fused")
     num_q_blocks, num_kv_blocks = -(-q_len // block_q), -(-kv_len // block_k)
-    q_spec, kv_spec, row_spec, dkv_spec = _dkv_specs(head_dim, block_q, block_k, causal=causal, q_len=q_len,
-                                                     kv_len=kv_len, group=group)
+    in_specs, out_specs = _dkv_specs(head_dim, v_head_dim, block_q, block_k, causal=causal, q_len=q_len,
+                                     kv_len=kv_len, group=group, window=variants.window,
+                                     segments=variants.segments)
     dk_dtype, dv_dtype = (k.dtype, v.dtype) if group == 1 else (jnp.float32, jnp.float32)
 
     def k_t_index_map(b, h, j, i):
@@ -302,22 +359,21 @@ def _fused(q, k, v, do, lse_rows, d_rows, *, causal: bool, scale: float, q_len: 
         return b, h, 0, jnp.where(j == num_kv_blocks - 1, i, 0)
 
     squeezed, q_padded_len = pl.squeezed, num_q_blocks * block_q
-    dkv_shape = (batch, heads, num_kv_blocks * block_k, head_dim)
     k_t = jnp.swapaxes(k, 2, 3)  # [b, h, d, Tk]
     extra_vmem = _fused_vmem_bytes(q_padded_len, head_dim, block_q, block_k, q.dtype)  # beyond the dK/dV budget
     kernel = functools.partial(_fused_kernel, causal=causal, scale=scale, q_len=q_len, kv_len=kv_len,
-                               has_padding=num_kv_blocks * block_k != kv_len)
+                               has_padding=num_kv_blocks * block_k != kv_len, variants=variants)
     return pl.pallas_call(
         kernel,
         grid=(batch, heads, num_kv_blocks, num_q_blocks),
-        in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec,
-                  pl.BlockSpec((squeezed, squeezed, head_dim, block_k), k_t_index_map)],
-        out_specs=[dkv_spec, dkv_spec, pl.BlockSpec((squeezed, squeezed, head_dim, block_q), dq_t_index_map)],
-        out_shape=[jax.ShapeDtypeStruct(dkv_shape, dk_dtype), jax.ShapeDtypeStruct(dkv_shape, dv_dtype),
+        in_specs=[*in_specs, pl.BlockSpec((squeezed, squeezed, head_dim, block_k), k_t_index_map)],
+        out_specs=[*out_specs, pl.BlockSpec((squeezed, squeezed, head_dim, block_q), dq_t_index_map)],
+        out_shape=[jax.ShapeDtypeStruct((batch, heads, num_kv_blocks * block_k, head_dim), dk_dtype),
+                   jax.ShapeDtypeStruct((batch, heads, num_kv_blocks * block_k, v_head_dim), dv_dtype),
                    jax.ShapeDtypeStruct((batch, heads, head_dim, q_padded_len), q.dtype)],
         scratch_shapes=[
             pltpu.VMEM((block_k, head_dim), jnp.float32),  # dK accumulator
-            pltpu.VMEM((block_k, head_dim), jnp.float32),  # dV accumulator
+            pltpu.VMEM((block_k, v_head_dim), jnp.float32),  # dV accumulator
             pltpu.VMEM((head_dim, q_padded_len), jnp.float32),  # dQ^T accumulator, one head
         ],
         compiler_params=pltpu.CompilerParams(  # dQ^T sums over the key blocks: that axis turns sequential too
@@ -326,7 +382,7 @@ def _fused(q, k, v, do, lse_rows, d_rows, *, causal: bool, scale: float, q_len: 
         cost_estimate=_cost_estimate("fused", (batch, heads, q_len, kv_len, head_dim, causal), q.dtype, sizes),
         interpret=interpret,
         name="flash_attention_dkv_dq" + ("_causal" if causal else ""),
-    )(q, k, v, do, lse_rows, d_rows, k_t)
+    )(*_inputs(q, k, v, do, lse_rows, d_rows, ids, variants, "q_rows", "kv_columns"), k_t)
 
 
 def _fused_vmem_bytes(q_padded_len: int, head_dim: int, block_q: int, block_k: int, dtype) -> int:
@@ -342,75 +398,94 @@ def _fused_vmem_bytes(q_padded_len: int, head_dim: int, block_q: int, block_k: i
 
 
 def _dq_kernel(
-    q_ref, k_ref, v_ref, do_ref, lse_ref, d_ref,  # as in _dkv_kernel
-    dq_ref,  # out [block_q, head_dim]
-    dq_acc_ref,  # scratch [block_q, head_dim] f32
-    lse_col_ref, d_col_ref,  # scratch [block_q, 128] f32, lane-replicated
-    *, causal: bool, scale: float, q_len: int, kv_len: int, has_padding: bool,
+    *refs,  # as in _dkv_kernel (segment ids: q [block_q, 128], kv [8, block_k]); out dQ [block_q, d]; scratch:
+            # its f32 accumulator, the lse and D lane-replicated [block_q, 128] f32
+    causal: bool, scale: float, q_len: int, kv_len: int, has_padding: bool, variants: KernelVariants,
+    num_kv_blocks: int,
 ):
-    block_q, block_k = q_ref.shape[0], k_ref.shape[0]
-    q_block, kv_block = pl.program_id(2), pl.program_id(3)
-    block_geometry = dict(block_q=block_q, block_k=block_k, q_len=q_len, kv_len=kv_len, causal=causal)
+    in_refs, (dq_ref, dq_acc_ref, lse_col_ref, d_col_ref) = _take_refs(refs, variants.segments)
+    block_q, block_k = in_refs.q.shape[0], in_refs.k.shape[0]
+    q_block = pl.program_id(2)
+    kv_block, live = geometry.visited_block(q_block, pl.program_id(3), outer_block=block_q, inner_block=block_k,
+                                            num_inner=num_kv_blocks, q_len=q_len, kv_len=kv_len, causal=causal,
+                                            window=variants.window)
+    block_geometry = dict(block_q=block_q, block_k=block_k, q_len=q_len, kv_len=kv_len, causal=causal,
+                          window=variants.window)
 
-    @pl.when(kv_block == 0)
+    @pl.when(pl.program_id(3) == 0)
     def init():
         dq_acc_ref[...] = jnp.zeros(dq_acc_ref.shape, jnp.float32)  # [block_q, head_dim]
-        lse_col_ref[...] = _rows_to_columns(lse_ref[...])  # [block_q, 128]
-        d_col_ref[...] = _rows_to_columns(d_ref[...])  # [block_q, 128]
+        lse_col_ref[...] = _rows_to_columns(in_refs.lse[...])  # [block_q, 128]
+        d_col_ref[...] = _rows_to_columns(in_refs.d[...])  # [block_q, 128]
 
     def body(masked: bool):
-        q, k = q_ref[...], k_ref[...]  # [block_q, d], [block_k, d]
-        s = base2_scores(q, k, scale)  # [block_q, block_k]   base 2
+        q, k = in_refs.q[...], in_refs.k[...]  # [block_q, d], [block_k, d]
+        s, tanh = _scores(q, k, scale=scale, variants=variants)  # [block_q, block_k]   base 2
         if masked:
-            s = _mask_scores(s, q_block * block_q, kv_block * block_k, keys_on_rows=False, q_len=q_len,
-                             kv_len=kv_len, causal=causal)  # [block_q, block_k]
+            ids = {}
+            if in_refs.q_ids is not None:  # queries' ids down the rows, keys' along the lanes
+                ids = dict(q_ids=lanes_to(in_refs.q_ids[...], block_k),
+                           kv_ids=sublanes_to(in_refs.kv_ids[...], block_q))
+            s = mask_scores(s, q_block * block_q, kv_block * block_k, keys_on_rows=False, q_len=q_len,
+                            kv_len=kv_len, causal=causal, window=variants.window, **ids)  # [block_q, block_k]
         p = jnp.exp2(s - lanes_to(lse_col_ref[...], block_k))  # [block_q, block_k]   0 where masked
-        dp = lax.dot_general(do_ref[...], v_ref[...], NT_DIMS, preferred_element_type=jnp.float32)  # [block_q, block_k]
+        dp = lax.dot_general(in_refs.do[...], in_refs.v[...], NT_DIMS,
+                             preferred_element_type=jnp.float32)  # [block_q, block_k]
         ds = p * (dp - lanes_to(d_col_ref[...], block_k))  # [block_q, block_k]
+        if tanh is not None:
+            ds = ds * (1.0 - tanh * tanh)  # through the soft-cap
         dq_acc_ref[...] += jnp.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)  # [block_q, d]
 
-    _visit_block(body, q_block, kv_block, may_mask=causal or has_padding, block_geometry=block_geometry)
+    _visit_block(body, q_block, kv_block, may_mask=variants.may_mask(causal, has_padding), segments=variants.segments,
+                 live=live, block_geometry=block_geometry)
 
-    @pl.when(kv_block == pl.num_programs(3) - 1)
+    @pl.when(pl.program_id(3) == pl.num_programs(3) - 1)
     def finalize():
         dq_ref[...] = (dq_acc_ref[...] * scale).astype(dq_ref.dtype)  # [block_q, head_dim]   scale once, here
 
 
-def _dq(q, k, v, do, lse_rows, d_rows, *, causal: bool, scale: float, q_len: int, kv_len: int,
-        sizes: BlockSizes, interpret) -> jax.Array:
+def _dq(q, k, v, do, lse_rows, d_rows, ids=None, *, causal: bool, scale: float, q_len: int, kv_len: int,
+        sizes: BlockSizes, interpret, variants: KernelVariants = PLAIN) -> jax.Array:
     """dQ ``[b, h, num_q_blocks * block_q, d]`` from padded inputs (rows past ``q_len``: padding)."""
     batch, heads, _, head_dim = q.shape
-    group = heads // k.shape[1]
+    v_head_dim, group = v.shape[3], heads // k.shape[1]
     block_q, block_k = sizes.blocks("dq")
     num_q_blocks, num_kv_blocks = -(-q_len // block_q), -(-kv_len // block_k)
+    live = dict(outer_block=block_q, inner_block=block_k, num_inner=num_kv_blocks, q_len=q_len, kv_len=kv_len,
+                causal=causal, window=variants.window)
+    grid_kv_steps = geometry.live_steps(num_q_blocks, **live)
 
-    def visited_kv_block(i, j):
-        """Key block ``j``, or — past the last key block query block ``i`` sees — that block (no copy)."""
-        if not causal:
-            return j
-        last_key = jnp.maximum(geometry.last_key_seen(i, block_q=block_q, q_len=q_len, kv_len=kv_len), 0)
-        return jnp.minimum(j, lax.div(last_key, block_k))  # lax.div: floor of a value >= 0, no sign()
+    def kv_block_of(i, j):
+        """The key block grid step ``j`` of query block ``i`` reads (geometry.fetched_block; skipped: no copy)."""
+        return geometry.fetched_block(i, j, **live)
 
     def q_index_map(b, h, i, j):
         return b, h, i, 0
 
     def kv_index_map(b, h, i, j):
-        return b, _kv_head(h, group), visited_kv_block(i, j), 0
+        return b, _kv_head(h, group), kv_block_of(i, j), 0
 
     def row_stat_index_map(b, h, i, j):
         return b, h, 0, i
 
     squeezed = pl.squeezed
-    q_spec = pl.BlockSpec((squeezed, squeezed, block_q, head_dim), q_index_map)
-    kv_spec = pl.BlockSpec((squeezed, squeezed, block_k, head_dim), kv_index_map)
-    row_spec = pl.BlockSpec((squeezed, squeezed, NUM_SUBLANES, block_q), row_stat_index_map)
+    in_specs = [pl.BlockSpec((squeezed, squeezed, block_q, head_dim), q_index_map),
+                pl.BlockSpec((squeezed, squeezed, block_k, head_dim), kv_index_map),
+                pl.BlockSpec((squeezed, squeezed, block_k, v_head_dim), kv_index_map),
+                pl.BlockSpec((squeezed, squeezed, block_q, v_head_dim), q_index_map),
+                pl.BlockSpec((squeezed, squeezed, NUM_SUBLANES, block_q), row_stat_index_map),
+                pl.BlockSpec((squeezed, squeezed, NUM_SUBLANES, block_q), row_stat_index_map)]
+    if variants.segments:  # q ids as columns [block_q, 128], kv ids as rows [8, block_k]
+        in_specs += [pl.BlockSpec((squeezed, block_q, NUM_LANES), lambda b, h, i, j: (b, i, 0)),
+                     pl.BlockSpec((squeezed, NUM_SUBLANES, block_k), lambda b, h, i, j: (b, 0, kv_block_of(i, j)))]
     kernel = functools.partial(_dq_kernel, causal=causal, scale=scale, q_len=q_len, kv_len=kv_len,
-                               has_padding=num_kv_blocks * block_k != kv_len)
+                               has_padding=num_kv_blocks * block_k != kv_len, variants=variants,
+                               num_kv_blocks=num_kv_blocks)
     return pl.pallas_call(
         kernel,
-        grid=(batch, heads, num_q_blocks, num_kv_blocks),
-        in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec],
-        out_specs=q_spec,
+        grid=(batch, heads, num_q_blocks, grid_kv_steps),
+        in_specs=in_specs,
+        out_specs=in_specs[0],
         out_shape=jax.ShapeDtypeStruct((batch, heads, num_q_blocks * block_q, head_dim), q.dtype),
         scratch_shapes=[
             pltpu.VMEM((block_q, head_dim), jnp.float32),  # dQ accumulator
@@ -421,4 +496,4 @@ def _dq(q, k, v, do, lse_rows, d_rows, *, causal: bool, scale: float, q_len: int
         cost_estimate=_cost_estimate("dq", (batch, heads, q_len, kv_len, head_dim, causal), q.dtype, sizes),
         interpret=interpret,
         name="flash_attention_dq" + ("_causal" if causal else ""),
-    )(q, k, v, do, lse_rows, d_rows)
+    )(*_inputs(q, k, v, do, lse_rows, d_rows, ids, variants, "q_columns", "kv_rows"))

@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from flashlib.tiling import NUM_LANES
+from flashlib.tiling import NUM_LANES, NUM_SUBLANES
 
-__all__ = ["LN_2", "LOG2_E", "NT_DIMS", "base2_scores", "lanes_to"]
+__all__ = ["LN_2", "LOG2_E", "NT_DIMS", "base2_scores", "lanes_to", "sublanes_to"]
 
 LOG2_E = 1.0 / math.log(2.0)  # exp(x) = exp2(x * log2(e))
 LN_2 = math.log(2.0)
@@ -38,3 +38,11 @@ def lanes_to(x: jax.Array, width: int) -> jax.Array:
     """A lane-replicated ``[rows, 128]`` tile as ``[rows, width]``: whole-vreg copies, then a slice."""
     repeats = -(-width // NUM_LANES)
     return (jnp.tile(x, (1, repeats)) if repeats > 1 else x)[:, :width]
+
+
+def sublanes_to(rows: jax.Array, height: int) -> jax.Array:
+    """A sublane-replicated ``[8, n]`` row block as ``[height, n]``: whole-vreg copies when ``height`` is a
+    multiple of 8, else a broadcast of its first row."""
+    if height % NUM_SUBLANES == 0:
+        return jnp.tile(rows, (height // NUM_SUBLANES, 1))
+    return jnp.broadcast_to(rows[:1], (height, rows.shape[1]))

@@ -27,6 +27,7 @@ from flashlib.kernels.backward_kernels import _dkv, _dq, _fused
 from flashlib.kernels.block_sizes import BlockSizes
 from flashlib.kernels.options import resolve_call
 from flashlib.kernels.scores import LOG2_E
+from flashlib.kernels.variants import PLAIN, KernelVariants, segment_layouts
 from flashlib.tiling import NUM_LANES, NUM_SUBLANES, pad_to_multiple, round_up
 
 __all__ = ["FUSED_DQ_MAX_BYTES", "NO_KEY_LSE", "flash_attention_backward"]
@@ -40,13 +41,21 @@ NO_KEY_LSE = -MASK_VALUE
 FUSED_DQ_MAX_BYTES = 4 * MIB
 
 
-def _fuses_dq(sizes: BlockSizes, q_len: int, kv_len: int, head_dim: int, fuse_dq: bool | None) -> bool:
+def _fuses_dq(sizes: BlockSizes, q_len: int, kv_len: int, head_dim: int, fuse_dq: bool | None,
+              window=None) -> bool:
     """Whether the dK/dV kernel does dQ too: asked for, or (None) when its dQ^T accumulator is at most
-    :data:`FUSED_DQ_MAX_BYTES`. k^T puts keys on lanes, so block_k_dkv must be whole lanes or all the keys."""
+    :data:`FUSED_DQ_MAX_BYTES`. k^T puts keys on lanes, so block_k_dkv must be whole lanes or all the keys. A
+    window bounded on the left never fuses: the separate kernels visit only each block's live range (their
+    cost grows linearly with length), the fused kernel's query axis is the whole sequence."""
     block_q, block_k = sizes.blocks("fused")
     fits_lanes = block_k % NUM_LANES == 0 or block_k >= kv_len
+    left_bounded = window is not None and window[0] is not None
+    if fuse_dq and left_bounded:
+        raise ValueError(f"fuse_dq=True cannot run a window bounded on the left (window={window}): the fused "
+                         "kernel walks every query block; use fuse_dq=None or False")
     if fuse_dq is None:
-        return fits_lanes and round_up(head_dim, NUM_SUBLANES) * round_up(q_len, block_q) * 4 <= FUSED_DQ_MAX_BYTES
+        return (fits_lanes and not left_bounded
+                and round_up(head_dim, NUM_SUBLANES) * round_up(q_len, block_q) * 4 <= FUSED_DQ_MAX_BYTES)
     if fuse_dq and not fits_lanes:
         raise ValueError(
             f"fuse_dq=True needs block_k_dkv to be a multiple of {NUM_LANES} (k^T puts keys on lanes) or to cover "
@@ -102,14 +111,14 @@ def flash_attention_backward(
                     interpret=interpret, fuse_dq=fuse_dq)
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "scale", "sizes", "interpret", "fuse_dq"))
-def backward(q, k, v, out, lse2, do, dlse, *, causal: bool, scale: float, sizes: BlockSizes, interpret,
-             fuse_dq: bool | None = None):
+@functools.partial(jax.jit, static_argnames=("causal", "scale", "sizes", "interpret", "fuse_dq", "variants"))
+def backward(q, k, v, out, lse2, do, dlse, segment_ids=None, sinks=None, *, causal: bool, scale: float,
+             sizes: BlockSizes, interpret, fuse_dq: bool | None = None, variants: KernelVariants = PLAIN):
     """:func:`flash_attention_backward` on resolved, static settings (what the custom VJP calls), with the
     forward's base-2 log-sum-exp ``lse2`` (``tpu_forward.forward(..., return_lse=True)``); ``dlse`` is the
-    cotangent of the natural-log lse."""
+    cotangent of the natural-log lse. Returns ``(dq, dk, dv)``, and ``dsinks`` ``[heads]`` with sinks."""
     q_len, kv_len = q.shape[2], k.shape[2]
-    fused = _fuses_dq(sizes, q_len, kv_len, q.shape[3], fuse_dq)
+    fused = _fuses_dq(sizes, q_len, kv_len, q.shape[3], fuse_dq, variants.window)
     (block_q_dkv, block_k_dkv), (block_q_dq, block_k_dq) = sizes.blocks("dkv"), sizes.blocks("dq")
     d = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [b, h, q_len]
     if dlse is not None:
@@ -120,23 +129,31 @@ def backward(q, k, v, out, lse2, do, dlse, *, causal: bool, scale: float, sizes:
     q_multiple = block_q_dkv if fused else math.lcm(block_q_dkv, block_q_dq)
     k_multiple = block_k_dkv if fused else math.lcm(block_k_dkv, block_k_dq)
     q_padded = pad_to_multiple(q, 2, q_multiple)  # [b, h, Tq, d]
-    do_padded = pad_to_multiple(do, 2, q_multiple)  # [b, h, Tq, d]
+    do_padded = pad_to_multiple(do, 2, q_multiple)  # [b, h, Tq, dv]
     k_padded = pad_to_multiple(k, 2, k_multiple)  # [b, h, Tk, d]
-    v_padded = pad_to_multiple(v, 2, k_multiple)  # [b, h, Tk, d]
+    v_padded = pad_to_multiple(v, 2, k_multiple)  # [b, h, Tk, dv]
     lse_rows = _as_rows(lse2, q_padded.shape[2], NO_KEY_LSE)  # [b, h, 8, Tq]
     d_rows = _as_rows(d, q_padded.shape[2], 0.0)  # [b, h, 8, Tq]
+    ids = segment_layouts(segment_ids, q_padded.shape[2], k_padded.shape[2]) if variants.segments else None
 
-    inputs = (q_padded, k_padded, v_padded, do_padded, lse_rows, d_rows)
-    settings = dict(causal=causal, scale=scale, q_len=q_len, kv_len=kv_len, sizes=sizes, interpret=interpret)
+    inputs = (q_padded, k_padded, v_padded, do_padded, lse_rows, d_rows, ids)
+    settings = dict(causal=causal, scale=scale, q_len=q_len, kv_len=kv_len, sizes=sizes, interpret=interpret,
+                    variants=variants)
     if fused:
-        dk, dv, dq_t = _fused(*inputs, **settings)  # [b, h, Tk, d] x 2, [b, h, d, Tq]
+        dk, dv, dq_t = _fused(*inputs, **settings)  # [b, h, Tk, d], [b, h, Tk, dv], [b, h, d, Tq]
         dq = jnp.swapaxes(dq_t, 2, 3)  # [b, h, Tq, d]
     else:
-        dk, dv = _dkv(*inputs, **settings)  # [b, h, nk * block_k_dkv, d] each
+        dk, dv = _dkv(*inputs, **settings)  # [b, h, nk * block_k_dkv, d or dv]
         dq = _dq(*inputs, **settings)  # [b, h, nq * block_q_dq, d]
-    dk, dv = dk[:, :, :kv_len], dv[:, :, :kv_len]  # [b, h, kv_len, d], per query head
+    dk, dv = dk[:, :, :kv_len], dv[:, :, :kv_len]  # [b, h, kv_len, d or dv], per query head
     kv_heads = k.shape[1]
     if kv_heads != q.shape[1]:  # GQA: each kv head's gradient is the sum over its group of query heads (in f32)
         dk, dv = (x.reshape(x.shape[0], kv_heads, -1, *x.shape[2:]).sum(axis=2) for x in (dk, dv))
         dk, dv = dk.astype(k.dtype), dv.astype(v.dtype)
-    return dq[:, :, :q_len], dk, dv
+    grads = (dq[:, :, :q_len], dk, dv)
+    if not variants.sinks:
+        return grads
+    # The sink is a key of value 0: dS_sink = P_sink * (0 - D), P_sink = exp2(sink2 - lse2), summed over rows.
+    p_sink = jnp.exp2(sinks.astype(jnp.float32)[None, :, None] * LOG2_E - lse2)  # [b, h, q_len]
+    dsinks = -jnp.sum(p_sink * d, axis=(0, 2))  # [h]
+    return (*grads, dsinks.astype(sinks.dtype))

@@ -21,6 +21,13 @@ the program ids, per sub-block) and the k/v index maps clamp to the last needed 
 no copy; the skipped grid steps themselves remain. Only sub-blocks that straddle the diagonal or hold padded
 keys build an element mask, and when ``block_q > block_k`` a masked sub-block is split into row chunks of
 ``block_k`` rows, each again skipped, masked or plain (:mod:`flashlib.geometry` decides all of it).
+
+The variants (:mod:`flashlib.kernels.variants`): a sliding window is a band like the causal one, with the same
+three kinds of block; bounded on the left, the key axis of the grid walks only the steps a query block's
+window reaches (``geometry.visited_block``, ``geometry.fetched_block``), so the grid stays the window's size
+as the sequences grow. Soft-capping applies ``C tanh(s / C)`` to the base-2 scores; segment ids come in as
+lane- and sublane-replicated id tiles and mask every visited block; a sink starts each row's running state
+(``m = sink``, ``l = 1``); ``v`` may have its own head_dim, which the accumulator and output take.
 """
 
 from __future__ import annotations
@@ -37,16 +44,18 @@ from flashlib import cost, geometry
 from flashlib.geometry import MASK_VALUE
 from flashlib.kernels.block_sizes import BlockSizes
 from flashlib.kernels.options import resolve_call
-from flashlib.kernels.scores import LN_2, LOG2_E, base2_scores, lanes_to
-from flashlib.tiling import NUM_LANES, pad_to_multiple
+from flashlib.kernels.scores import LN_2, LOG2_E, base2_scores, lanes_to, sublanes_to
+from flashlib.kernels.variants import PLAIN, KernelVariants, segment_layouts, sinks_tiles, soft_cap
+from flashlib.tiling import NUM_LANES, NUM_SUBLANES, pad_to_multiple
 
 __all__ = ["flash_attention_forward", "forward", "natural_lse"]
 
 def _forward_kernel(
     q_ref,  # [block_q, head_dim]
     k_ref,  # [block_k_major, head_dim]
-    v_ref,  # [block_k_major, head_dim]
-    *refs,  # outputs o [block_q, head_dim] (, lse [block_q, 128] f32); scratch m, l [block_q, 128], acc
+    v_ref,  # [block_k_major, v_head_dim]
+    *refs,  # segment ids q [block_q, 128], kv [8, block_k_major] (int32); sink [8, 128] f32; outputs o
+            # [block_q, v_head_dim] (, lse [block_q, 128] f32); scratch m, l [block_q, 128], acc [block_q, v_head_dim]
     causal: bool,
     scale: float,
     block_k: int,
@@ -54,24 +63,43 @@ def _forward_kernel(
     kv_len: int,
     has_padding: bool,
     return_lse: bool,
+    variants: KernelVariants,
+    num_kv_steps: int,
 ):
+    refs = list(refs)
+    q_seg_ref, kv_seg_ref = (refs.pop(0), refs.pop(0)) if variants.segments else (None, None)
+    sink_ref = refs.pop(0) if variants.sinks else None
     if return_lse:
         o_ref, lse_ref, m_ref, l_ref, acc_ref = refs
     else:
         (o_ref, m_ref, l_ref, acc_ref), lse_ref = refs, None
     block_q, head_dim = q_ref.shape
-    num_sub_blocks = k_ref.shape[0] // block_k
-    q_block, kv_step = pl.program_id(2), pl.program_id(3)
-    block_geometry = dict(block_q=block_q, block_k=block_k, q_len=q_len, kv_len=kv_len, causal=causal)
-    # Rows that see no key at all exist only when q_len > kv_len (causal): for them m stays MASK_VALUE and
-    # exp2(s - m) would be 1 on masked keys, so their probabilities are masked a second time.
-    has_blind_rows = causal and q_len > kv_len
+    v_head_dim = v_ref.shape[1]
+    kv_step_len = k_ref.shape[0]
+    num_sub_blocks = kv_step_len // block_k
+    window = variants.window
+    q_block = pl.program_id(2)
+    # With a window bounded on the left the key axis walks only the steps this query block needs, from its first
+    # live step (geometry.compacts); past its last, the index map repeats the last (no copy) and nothing computes.
+    kv_step, step_is_live = geometry.visited_block(q_block, pl.program_id(3), outer_block=block_q,
+                                                   inner_block=kv_step_len, num_inner=num_kv_steps, q_len=q_len,
+                                                   kv_len=kv_len, causal=causal, window=window)
+    block_geometry = dict(block_q=block_q, block_k=block_k, q_len=q_len, kv_len=kv_len, causal=causal,
+                          window=window)
+    # Rows that see no key at all (KernelVariants.has_blind_rows): their m stays MASK_VALUE and exp2(s - m)
+    # would be 1 on masked keys, so their probabilities are masked a second time.
+    has_blind_rows = variants.has_blind_rows(causal, q_len, kv_len)
+    left, right = geometry.band(causal, window)
 
-    @pl.when(kv_step == 0)
+    @pl.when(pl.program_id(3) == 0)
     def init():
-        m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)  # [block_q, 128]
-        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)  # [block_q, 128]
-        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)  # [block_q, head_dim]
+        if sink_ref is None:
+            m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)  # [block_q, 128]
+            l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)  # [block_q, 128]
+        else:  # the sink is a key of value 0 seen first: m = sink, l = exp2(sink - m) = 1
+            m_ref[...] = sublanes_to(sink_ref[...], block_q)  # [block_q, 128]
+            l_ref[...] = jnp.ones(l_ref.shape, jnp.float32)  # [block_q, 128]
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)  # [block_q, v_head_dim]
 
     def body(sub_block: int, kv_block, masked: bool, row_chunk: int = 0, chunk_rows: int = block_q):
         """One online-softmax update: rows ``[row_chunk * chunk_rows, +chunk_rows)`` of the query block
@@ -81,6 +109,8 @@ def _forward_kernel(
         q = q_ref[rows, :]  # [chunk_rows, head_dim]
         k = k_ref[keys, :]  # [block_k, head_dim]
         s = base2_scores(q, k, scale)  # [chunk_rows, block_k]   base 2
+        if variants.softcap is not None:
+            s, _ = soft_cap(s, variants.softcap)  # [chunk_rows, block_k]
         if masked:
             shape = (chunk_rows, block_k)
             row = lax.broadcasted_iota(jnp.int32, shape, 0)  # [chunk_rows, block_k]
@@ -88,9 +118,17 @@ def _forward_kernel(
             key_offset = kv_block * block_k  # position of this sub-block's first key
             visible = col < kv_len - key_offset  # [chunk_rows, block_k]   padded keys are never seen
             # (backward_kernels._mask_scores is the same rule in absolute positions, which the backward prefers)
-            if causal:  # key j visible to query i when j <= i + kv_len - q_len, relative to the tile's corner
-                query_offset = q_block * block_q + row_chunk * chunk_rows
-                visible &= col - row <= query_offset - key_offset + (kv_len - q_len)
+            # key j visible to query i within the band: relative to the tile's corner, col - row against a scalar
+            query_offset = q_block * block_q + row_chunk * chunk_rows
+            diagonal = query_offset - key_offset + (kv_len - q_len)  # col - row of the diagonal key
+            if right is not None:
+                visible &= col - row <= diagonal + right
+            if left is not None:
+                visible &= col - row >= diagonal - left
+            if q_seg_ref is not None:  # packed sequences: the query's segment id against the key's
+                q_ids = lanes_to(q_seg_ref[rows, :], block_k)  # [chunk_rows, block_k]
+                kv_ids = sublanes_to(kv_seg_ref[:, keys], chunk_rows)  # [chunk_rows, block_k]
+                visible &= q_ids == kv_ids
             s = jnp.where(visible, s, MASK_VALUE)  # [chunk_rows, block_k]
 
         m_prev, l_prev = m_ref[rows, :], l_ref[rows, :]  # [chunk_rows, 128]
@@ -101,25 +139,28 @@ def _forward_kernel(
             p = p * visible.astype(p.dtype)  # [chunk_rows, block_k]   (a select here crashes libtpu's profiler)
         m_ref[rows, :] = m_next
         l_ref[rows, :] = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)  # [chunk_rows, 128]
-        v = v_ref[keys, :]  # [block_k, head_dim]
-        pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)  # [chunk_rows, head_dim]
-        acc_ref[rows, :] = acc_ref[rows, :] * lanes_to(alpha, head_dim) + pv  # [chunk_rows, head_dim]
+        v = v_ref[keys, :]  # [block_k, v_head_dim]
+        pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)  # [chunk_rows, v_head_dim]
+        acc_ref[rows, :] = acc_ref[rows, :] * lanes_to(alpha, v_head_dim) + pv  # [chunk_rows, v_head_dim]
 
     # A causal diagonal sub-block is split into square [block_k, block_k] row chunks when the query block is
     # taller: the chunks above the diagonal are skipped, those below it need no mask.
-    split_rows = geometry.splits_rows(block_q, block_k, causal)
+    split_rows = geometry.splits_rows(block_q, block_k, causal) and not variants.segments
     num_chunks = block_q // block_k if split_rows else 1
     for sub_block in range(num_sub_blocks):  # unrolled: each sub-block is skipped, masked or plain on its own
         kv_block = kv_step * num_sub_blocks + sub_block  # index of the [block_k] key block in the sequence
-        if not (causal or has_padding):
+        if not variants.may_mask(causal, has_padding):  # no band, no padding: every step is live and plain
             body(sub_block, kv_block, masked=False)
             continue
-        # three kinds of block: skipped, masked (diagonal or padding), plain
-        block_visible = geometry.block_is_visible(q_block, kv_block, **block_geometry)
+        # three kinds of block: skipped, masked (band edge, padding or segments), plain
+        block_visible = step_is_live & geometry.block_is_visible(q_block, kv_block, **block_geometry)
         if num_sub_blocks > 1 and has_padding:  # a sub-block of padding alone (the step was padded to whole copies)
             block_visible &= kv_block * block_k < kv_len
-        needs_mask = geometry.block_needs_mask(q_block, kv_block, **block_geometry)
+        needs_mask = True if variants.segments else geometry.block_needs_mask(q_block, kv_block, **block_geometry)
         update = functools.partial(body, sub_block, kv_block)
+        if variants.segments:  # ids are data: every visited block builds the mask
+            pl.when(block_visible)(functools.partial(update, True))
+            continue
         pl.when(block_visible & ~needs_mask)(functools.partial(update, False))
         if not split_rows:
             pl.when(block_visible & needs_mask)(functools.partial(update, True))
@@ -133,11 +174,11 @@ def _forward_kernel(
             pl.when(chunk_visible & chunk_needs_mask)(functools.partial(update, True, chunk, block_k))
             pl.when(chunk_visible & ~chunk_needs_mask)(functools.partial(update, False, chunk, block_k))
 
-    @pl.when(kv_step == pl.num_programs(3) - 1)
+    @pl.when(pl.program_id(3) == pl.num_programs(3) - 1)
     def finalize():
         l = l_ref[...]  # noqa: E741  [block_q, 128]
         l_safe = jnp.where(l == 0.0, 1.0, l)  # [block_q, 128]   a row that saw no key: acc = 0 -> out = 0
-        o_ref[...] = (acc_ref[...] * lanes_to(1.0 / l_safe, head_dim)).astype(o_ref.dtype)  # [block_q, head_dim]
+        o_ref[...] = (acc_ref[...] * lanes_to(1.0 / l_safe, v_head_dim)).astype(o_ref.dtype)  # [block_q, dv]
         if lse_ref is not None:  # in base 2, as the backward recomputes its scores: lse2 = m + log2(l)
             lse_ref[...] = m_ref[...] + jnp.log(l) * LOG2_E  # [block_q, 128]   log(0) = -inf: a row that saw no key
 
@@ -185,40 +226,58 @@ def natural_lse(result: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Arr
     out, lse2 = result
     return out, lse2 * LN_2
 
-@functools.partial(jax.jit, static_argnames=("causal", "scale", "sizes", "interpret", "return_lse", "out_dtype"))
-def forward(q, k, v, *, causal: bool, scale: float, sizes: BlockSizes, interpret, return_lse: bool,
-             out_dtype=None):
+@functools.partial(jax.jit, static_argnames=("causal", "scale", "sizes", "interpret", "return_lse", "out_dtype",
+                                             "variants"))
+def forward(q, k, v, segment_ids=None, sinks=None, *, causal: bool, scale: float, sizes: BlockSizes, interpret,
+            return_lse: bool, out_dtype=None, variants: KernelVariants = PLAIN):
     """The forward kernel on resolved, static settings: ``out``, and with ``return_lse`` the row
     log-sum-exp of the base-2 scores, ``lse2 = lse * log2(e)`` ``[b, h, q_len]`` f32 — the residual the
     backward kernels take as it is (:func:`natural_lse` converts it for a caller). ``out_dtype`` (None: q's)
-    f32 keeps the unrounded output for the backward's ``D = rowsum(dO * out)``."""
+    f32 keeps the unrounded output for the backward's ``D = rowsum(dO * out)``. ``variants`` says which of
+    ``segment_ids`` (a pair of int arrays) and ``sinks`` (``[heads]``) are given, and the window and soft-cap."""
     out_dtype = q.dtype if out_dtype is None else out_dtype
     batch, heads, q_len, head_dim = q.shape
+    v_head_dim = v.shape[3]
     kv_len, group = k.shape[2], heads // k.shape[1]  # query heads per kv head (GQA; 1 for MHA)
     block_q, block_k, kv_step = sizes.block_q, sizes.block_k, sizes.kv_step
     q_padded = pad_to_multiple(q, 2, block_q)  # [b, h, Tq, d]
     k_padded = pad_to_multiple(k, 2, kv_step)  # [b, h, Tk, d]
-    v_padded = pad_to_multiple(v, 2, kv_step)  # [b, h, Tk, d]
+    v_padded = pad_to_multiple(v, 2, kv_step)  # [b, h, Tk, dv]
     num_q_blocks, num_kv_steps = q_padded.shape[2] // block_q, k_padded.shape[2] // kv_step
+    live = dict(outer_block=block_q, inner_block=kv_step, num_inner=num_kv_steps, q_len=q_len, kv_len=kv_len,
+                causal=causal, window=variants.window)
+    # the key axis: the most steps any query block needs (all of them, unless a window bounds both sides)
+    grid_kv_steps = geometry.live_steps(num_q_blocks, **live)
 
     def q_index_map(b, h, i, j):
         return b, h, i, 0
 
+    def kv_step_of(i, j):
+        """The key step grid step ``j`` of query block ``i`` reads (geometry.fetched_block): past the last one
+        it needs, the same index again, so no new HBM -> VMEM copy."""
+        return geometry.fetched_block(i, j, **live)
+
     def kv_index_map(b, h, i, j):
-        if causal:  # past the last needed block, repeat it: same index, so no new HBM -> VMEM copy
-            last_key = jnp.maximum(geometry.last_key_seen(i, block_q=block_q, q_len=q_len, kv_len=kv_len), 0)
-            # lax.div truncates, i.e. floors a key >= 0; jnp's // would need sign(), which Mosaic lowers per chip
-            j = jnp.minimum(j, lax.div(last_key, kv_step))
-        return b, (h if group == 1 else lax.div(h, group)), j, 0  # GQA: the group's kv head, never a copy
+        return b, (h if group == 1 else lax.div(h, group)), kv_step_of(i, j), 0  # GQA: the group's kv head
 
     def row_stat_index_map(b, h, i, j):
         return b, h, i, 0
 
     squeezed = pl.squeezed
     q_spec = pl.BlockSpec((squeezed, squeezed, block_q, head_dim), q_index_map)
-    kv_spec = pl.BlockSpec((squeezed, squeezed, kv_step, head_dim), kv_index_map)
-    out_shape = [jax.ShapeDtypeStruct(q_padded.shape, out_dtype)]
-    out_specs = [pl.BlockSpec((squeezed, squeezed, block_q, head_dim), q_index_map)]
+    k_spec = pl.BlockSpec((squeezed, squeezed, kv_step, head_dim), kv_index_map)
+    v_spec = pl.BlockSpec((squeezed, squeezed, kv_step, v_head_dim), kv_index_map)
+    in_specs, inputs = [q_spec, k_spec, v_spec], [q_padded, k_padded, v_padded]
+    if variants.segments:
+        ids = segment_layouts(segment_ids, q_padded.shape[2], k_padded.shape[2])
+        in_specs += [pl.BlockSpec((squeezed, block_q, NUM_LANES), lambda b, h, i, j: (b, i, 0)),
+                     pl.BlockSpec((squeezed, NUM_SUBLANES, kv_step), lambda b, h, i, j: (b, 0, kv_step_of(i, j)))]
+        inputs += [ids["q_columns"], ids["kv_rows"]]
+    if variants.sinks:
+        in_specs.append(pl.BlockSpec((squeezed, NUM_SUBLANES, NUM_LANES), lambda b, h, i, j: (h, 0, 0)))
+        inputs.append(sinks_tiles(sinks))
+    out_shape = [jax.ShapeDtypeStruct((*q_padded.shape[:3], v_head_dim), out_dtype)]
+    out_specs = [pl.BlockSpec((squeezed, squeezed, block_q, v_head_dim), q_index_map)]
     if return_lse:  # lane-replicated like m and l: a lane-dense [block_q, 128] store
         out_shape.append(jax.ShapeDtypeStruct((batch, heads, q_padded.shape[2], NUM_LANES), jnp.float32))
         out_specs.append(pl.BlockSpec((squeezed, squeezed, block_q, NUM_LANES), row_stat_index_map))
@@ -226,29 +285,30 @@ def forward(q, k, v, *, causal: bool, scale: float, sizes: BlockSizes, interpret
     dims = (batch, heads, q_len, kv_len, head_dim, causal)
     kernel = functools.partial(
         _forward_kernel, causal=causal, scale=scale, block_k=block_k, q_len=q_len, kv_len=kv_len,
-        has_padding=k_padded.shape[2] != kv_len, return_lse=return_lse,
+        has_padding=k_padded.shape[2] != kv_len, return_lse=return_lse, variants=variants,
+        num_kv_steps=num_kv_steps,
     )
     outputs = pl.pallas_call(
         kernel,
-        grid=(batch, heads, num_q_blocks, num_kv_steps),
-        in_specs=[q_spec, kv_spec, kv_spec],
+        grid=(batch, heads, num_q_blocks, grid_kv_steps),
+        in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
         scratch_shapes=[
             pltpu.VMEM((block_q, NUM_LANES), jnp.float32),  # m: running max (base 2), lane-replicated
             pltpu.VMEM((block_q, NUM_LANES), jnp.float32),  # l: running sum, lane-replicated
-            pltpu.VMEM((block_q, head_dim), jnp.float32),  # acc: unnormalised output
+            pltpu.VMEM((block_q, v_head_dim), jnp.float32),  # acc: unnormalised output
         ],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
-        cost_estimate=pl.CostEstimate(
+        cost_estimate=pl.CostEstimate(  # the causal mask's count (cost.py); a window's skipped blocks are not counted
             flops=cost.attention_flops(*dims, block_sizes=sizes),
             transcendentals=cost.attention_transcendentals(*dims, block_sizes=sizes, with_lse=return_lse),
             bytes_accessed=cost.attention_bytes(*dims, q.dtype, block_sizes=sizes, with_lse=return_lse),
         ),
         interpret=interpret,
         name="flash_attention_forward" + ("_causal" if causal else ""),
-    )(q_padded, k_padded, v_padded)
-    out = outputs[0][:, :, :q_len]  # [b, h, q_len, d]
+    )(*inputs)
+    out = outputs[0][:, :, :q_len]  # [b, h, q_len, dv]
     if not return_lse:
         return out
     return out, outputs[1][:, :, :q_len, 0]  # [b, h, q_len]
