@@ -23,7 +23,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 import flashlib
 from flashlib import checks, geometry, masks, reference
-from flashlib.kernels import BlockSizes
+from flashlib.kernels import BlockSizes, variants
 from flashlib.kernels.tpu_backward import _fuses_dq
 from flashlib.tpu_compile import compile_for_tpu
 
@@ -182,6 +182,51 @@ def test_bfloat16_by_flashattentions_rule_in_tpu_interpret_mode(q_len, kv_len, c
     out, vjp = _vjp(q, k, v, causal, jv, interpret=pltpu.InterpretParams(detect_races=True), sizes=sizes)
     checks.check_attention(out, q, k, v, causal=causal, quiet=True, **jv)
     checks.check_attention_grads(vjp(do), q, k, v, do, causal=causal, quiet=True, **jv)
+
+
+def test_blocks_whose_segments_cannot_meet_are_neither_computed_nor_read():
+    """Two packed documents; the keys of block 1 belong to a third segment no query has. Poisoned with NaN, they
+    would reach the output if the kernels computed (or masked) that block: ``0 * NaN`` is NaN. The block tables
+    (scalar prefetch) skip it in the forward, the dK/dV and the dQ kernels, so everything stays finite and
+    equals the oracle's — which never looks at those keys."""
+    rng = np.random.default_rng(5)
+    q_len = kv_len = 384  # three 128-key blocks
+    q_ids = np.repeat([0, 1], [192, 192])[None]
+    kv_ids = np.repeat([0, 2, 1], [128, 128, 128])[None]  # block 1: segment 2, seen by no query
+    q = rng.normal(size=(1, 2, q_len, 32))
+    k, v = rng.normal(size=(2, 1, 2, kv_len, 32))
+    do = rng.normal(size=q.shape)
+    k_nan, v_nan = k.copy(), v.copy()
+    k_nan[:, :, 128:256] = np.nan
+    v_nan[:, :, 128:256] = np.nan
+    ids = (jnp.asarray(q_ids), jnp.asarray(kv_ids))
+    sizes = BlockSizes(block_q=128, block_k=128)
+    out, vjp = jax.vjp(lambda q, k, v: flashlib.attention(q, k, v, segment_ids=ids, impl="pallas", block_sizes=sizes,
+                                                          interpret=True), *(jnp.asarray(x, jnp.float32)
+                                                                             for x in (q, k_nan, v_nan)))
+    dq, dk, dv = vjp(jnp.asarray(do, jnp.float32))
+    want = reference.attention_oracle(q, k, v, segment_ids=(q_ids, kv_ids))
+    want_dq, want_dk, want_dv = reference.attention_vjp_oracle(q, k, v, do, segment_ids=(q_ids, kv_ids))
+    np.testing.assert_allclose(out, want, atol=1e-5)
+    np.testing.assert_allclose(dq, want_dq, atol=1e-4)
+    np.testing.assert_allclose(np.delete(np.asarray(dk), np.s_[128:256], axis=2),
+                               np.delete(want_dk, np.s_[128:256], axis=2), atol=1e-4)
+    np.testing.assert_allclose(np.asarray(dv)[:, :, 128:256], 0.0)  # never computed: the accumulators' zeros
+    np.testing.assert_allclose(np.delete(np.asarray(dv), np.s_[128:256], axis=2),
+                               np.delete(want_dv, np.s_[128:256], axis=2), atol=1e-4)
+
+
+def test_segment_block_tables():
+    """Live where the id ranges overlap and the band allows; a dead pair fetches the last live block before
+    it (the first live one when none is), so the pipeline copies nothing new for it."""
+    q_ids = jnp.asarray(np.repeat([0, 1, 2], [4, 4, 8])[None])  # blocks of 4: ids {0}, {1}, {2}, {2}
+    kv_ids = jnp.asarray(np.repeat([1, 0, 2], [4, 4, 8])[None])  # {1}, {0}, {2}, {2}
+    blocks = variants.segment_blocks(q_ids, kv_ids, outer_len=16, inner_len=15, outer_block=4, inner_block=4,
+                                     band_visible=np.ones((4, 4), bool))
+    np.testing.assert_array_equal(np.asarray(blocks.live).reshape(4, 4),
+                                  [[0, 1, 0, 0], [1, 0, 0, 0], [0, 0, 1, 1], [0, 0, 1, 1]])
+    np.testing.assert_array_equal(np.asarray(blocks.fetch).reshape(4, 4),
+                                  [[1, 1, 1, 1], [0, 0, 0, 0], [2, 2, 2, 3], [2, 2, 2, 3]])
 
 
 def test_a_fused_backward_cannot_run_a_left_window():

@@ -61,6 +61,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
@@ -68,7 +69,7 @@ from jax.experimental.pallas import tpu as pltpu
 from flashlib import cost, geometry
 from flashlib.kernels.block_sizes import BlockSizes, vmem_limit_bytes
 from flashlib.kernels.scores import NT_DIMS, base2_scores, lanes_to, sublanes_to
-from flashlib.kernels.variants import PLAIN, KernelVariants, mask_scores, soft_cap
+from flashlib.kernels.variants import PLAIN, KernelVariants, mask_scores, segment_blocks, soft_cap, with_tables
 from flashlib.tiling import NUM_LANES, NUM_SUBLANES, round_up
 
 PARALLEL, ARBITRARY = "parallel", "arbitrary"
@@ -117,10 +118,39 @@ class _Refs(NamedTuple):
     kv_ids: Any = None
 
 
-def _take_refs(refs: tuple, segments: bool) -> tuple[_Refs, list]:
-    """Split a kernel's positional refs into its :class:`_Refs` and the rest (outputs, scratch)."""
+def _take_refs(refs: tuple, segments: bool) -> tuple[Any, _Refs, list]:
+    """Split a kernel's positional refs into the block table of live pairs (segment ids: scalar-prefetched,
+    first; else None), its :class:`_Refs` and the rest (outputs, scratch)."""
+    live_ref, refs = (refs[0], refs[2:]) if segments else (None, refs)
     count = 8 if segments else 6
-    return _Refs(*refs[:count]), list(refs[count:])
+    return live_ref, _Refs(*refs[:count]), list(refs[count:])
+
+
+def _pair_is_live(live_ref, outer, inner, num_inner: int):
+    """Whether the block table (:class:`~flashlib.kernels.variants.SegmentBlocks`) lets this (outer, inner)
+    pair meet; True without segment ids."""
+    if live_ref is None:
+        return True
+    row = (pl.program_id(0) * pl.num_programs(2) + outer) * num_inner
+    return live_ref[row + jnp.minimum(inner, num_inner - 1)] != 0
+
+
+def _tables(q_ids, kv_ids, *, keys_outer: bool, q_len: int, kv_len: int, block_q: int, block_k: int, causal: bool,
+            window) -> list:
+    """The scalar-prefetched block tables (live, fetch) of a grid with key blocks outer (dK/dV, fused) or
+    query blocks outer (dQ), from the padded ids ``[b, Tq]``, ``[b, Tk]``."""
+    num_q, num_k = -(-q_len // block_q), -(-kv_len // block_k)  # the grids' blocks (the ids may be padded further)
+    q_ids, kv_ids = q_ids[:, :num_q * block_q], kv_ids[:, :num_k * block_k]
+    band = np.broadcast_to(geometry.block_is_visible(
+        np.arange(num_q)[:, None], np.arange(num_k)[None, :], block_q=block_q, block_k=block_k, q_len=q_len,
+        kv_len=kv_len, causal=causal, window=window), (num_q, num_k))  # [nq, nk]
+    if keys_outer:
+        blocks = segment_blocks(kv_ids, q_ids, outer_len=kv_len, inner_len=q_len, outer_block=block_k,
+                                inner_block=block_q, band_visible=band.T)
+    else:
+        blocks = segment_blocks(q_ids, kv_ids, outer_len=q_len, inner_len=kv_len, outer_block=block_q,
+                                inner_block=block_k, band_visible=band)
+    return [blocks.live, blocks.fetch]
 
 
 def _scores(a, b, *, scale: float, variants: KernelVariants):
@@ -167,7 +197,7 @@ def _dkv_kernel(
     causal: bool, scale: float, q_len: int, kv_len: int, has_padding: bool, variants: KernelVariants,
     num_q_blocks: int,
 ):
-    in_refs, (dk_ref, dv_ref, dk_acc_ref, dv_acc_ref) = _take_refs(refs, variants.segments)
+    live_ref, in_refs, (dk_ref, dv_ref, dk_acc_ref, dv_acc_ref) = _take_refs(refs, variants.segments)
     block_q, block_k = in_refs.q.shape[0], in_refs.k.shape[0]
     block_geometry = dict(block_q=block_q, block_k=block_k, q_len=q_len, kv_len=kv_len, causal=causal,
                           window=variants.window)
@@ -176,6 +206,7 @@ def _dkv_kernel(
     q_block, live = geometry.visited_block(kv_block, pl.program_id(3), outer_block=block_k, inner_block=block_q,
                                            num_inner=num_q_blocks, q_len=q_len, kv_len=kv_len, causal=causal,
                                            window=variants.window, keys_inner=False)
+    live = live & _pair_is_live(live_ref, kv_block, q_block, num_q_blocks)
 
     @pl.when(pl.program_id(3) == 0)
     def init():
@@ -202,7 +233,7 @@ def _fused_kernel(
 ):
     """:func:`_dkv_kernel`, and with the ``dS^T`` tile it already has, ``dQ^T[:, q block] += k^T dS^T``. Its
     query axis is the whole sequence (a window bounded on the left runs the separate kernels, which compact)."""
-    in_refs, (k_t_ref, dk_ref, dv_ref, dq_t_ref, dk_acc_ref, dv_acc_ref, dq_t_acc_ref) = _take_refs(
+    live_ref, in_refs, (k_t_ref, dk_ref, dv_ref, dq_t_ref, dk_acc_ref, dv_acc_ref, dq_t_acc_ref) = _take_refs(
         refs, variants.segments)
     block_q, block_k = in_refs.q.shape[0], in_refs.k.shape[0]
     kv_block, q_block = pl.program_id(2), pl.program_id(3)
@@ -226,7 +257,7 @@ def _fused_kernel(
         dq_t_acc_ref[:, q_columns] += dq_t
 
     _visit_block(body, q_block, kv_block, may_mask=variants.may_mask(causal, has_padding), segments=variants.segments,
-                 block_geometry=block_geometry)
+                 live=_pair_is_live(live_ref, kv_block, q_block, pl.num_programs(3)), block_geometry=block_geometry)
 
     @pl.when(q_block == pl.num_programs(3) - 1)
     def finalize():
@@ -251,23 +282,26 @@ def _dkv_specs(head_dim: int, v_head_dim: int, block_q: int, block_k: int, *, ca
     :func:`flashlib.geometry.fetched_block` names: with a window bounded on the left, ``first + i`` of key block
     ``j``'s live range clamped to its last; else block ``i`` raised to the first the key block needs. Either way
     a skipped step keeps its neighbour's index, so the pipeline copies nothing for it."""
-    num_q_blocks = -(-q_len // block_q)
+    num_q_blocks, num_kv_blocks = -(-q_len // block_q), -(-kv_len // block_k)
 
-    def q_block_of(j, i):
-        return geometry.fetched_block(j, i, outer_block=block_k, inner_block=block_q, num_inner=num_q_blocks,
+    def q_block_of(b, j, i, tables):
+        step = geometry.fetched_block(j, i, outer_block=block_k, inner_block=block_q, num_inner=num_q_blocks,
                                       q_len=q_len, kv_len=kv_len, causal=causal, window=window, keys_inner=False)
+        if tables:  # segment ids: the block table's fetch (a pair that cannot meet repeats its neighbour's index)
+            step = tables[1][(b * num_kv_blocks + j) * num_q_blocks + step]
+        return step
 
-    def kv_index_map(b, h, j, i):
+    def kv_index_map(b, h, j, i, *tables):
         return b, _kv_head(h, group), j, 0
 
-    def dkv_index_map(b, h, j, i):
+    def dkv_index_map(b, h, j, i, *tables):
         return b, h, j, 0
 
-    def q_index_map(b, h, j, i):
-        return b, h, q_block_of(j, i), 0
+    def q_index_map(b, h, j, i, *tables):
+        return b, h, q_block_of(b, j, i, tables), 0
 
-    def row_stat_index_map(b, h, j, i):
-        return b, h, 0, q_block_of(j, i)
+    def row_stat_index_map(b, h, j, i, *tables):
+        return b, h, 0, q_block_of(b, j, i, tables)
 
     squeezed = pl.squeezed
     row_spec = pl.BlockSpec((squeezed, squeezed, NUM_SUBLANES, block_q), row_stat_index_map)
@@ -277,8 +311,9 @@ def _dkv_specs(head_dim: int, v_head_dim: int, block_q: int, block_k: int, *, ca
                 pl.BlockSpec((squeezed, squeezed, block_q, v_head_dim), q_index_map),
                 row_spec, row_spec]
     if segments:  # q ids as rows [8, block_q], kv ids as columns [block_k, 128]
-        in_specs += [pl.BlockSpec((squeezed, NUM_SUBLANES, block_q), lambda b, h, j, i: (b, 0, q_block_of(j, i))),
-                     pl.BlockSpec((squeezed, block_k, NUM_LANES), lambda b, h, j, i: (b, j, 0))]
+        in_specs += [pl.BlockSpec((squeezed, NUM_SUBLANES, block_q),
+                                  lambda b, h, j, i, *t: (b, 0, q_block_of(b, j, i, t))),
+                     pl.BlockSpec((squeezed, block_k, NUM_LANES), lambda b, h, j, i, *t: (b, j, 0))]
     out_specs = [pl.BlockSpec((squeezed, squeezed, block_k, head_dim), dkv_index_map),
                  pl.BlockSpec((squeezed, squeezed, block_k, v_head_dim), dkv_index_map)]
     return in_specs, out_specs
@@ -302,6 +337,13 @@ def _inputs(q, k, v, do, lse_rows, d_rows, ids, variants: KernelVariants, q_ids:
     return inputs
 
 
+def _segment_tables(ids, variants: KernelVariants, **geometry_) -> list:
+    """The block tables to prefetch (none without segment ids)."""
+    if not variants.segments:
+        return []
+    return _tables(ids["q_rows"][:, 0, :], ids["kv_rows"][:, 0, :], window=variants.window, **geometry_)
+
+
 def _dkv(q, k, v, do, lse_rows, d_rows, ids=None, *, causal: bool, scale: float, q_len: int, kv_len: int,
          sizes: BlockSizes, interpret, variants: KernelVariants = PLAIN) -> tuple[jax.Array, jax.Array]:
     """dK, dV ``[b, h, num_kv_blocks * block_k, d or dv]`` from padded inputs (rows past ``kv_len``: padding),
@@ -320,22 +362,27 @@ def _dkv(q, k, v, do, lse_rows, d_rows, ids=None, *, causal: bool, scale: float,
     kernel = functools.partial(_dkv_kernel, causal=causal, scale=scale, q_len=q_len, kv_len=kv_len,
                                has_padding=num_kv_blocks * block_k != kv_len, variants=variants,
                                num_q_blocks=num_q_blocks)
-    return pl.pallas_call(
-        kernel,
+    tables = _segment_tables(ids, variants, keys_outer=True, q_len=q_len, kv_len=kv_len, block_q=block_q,
+                             block_k=block_k, causal=causal)
+    grid = dict(
         grid=(batch, heads, num_kv_blocks, grid_q_steps),
         in_specs=in_specs,
         out_specs=out_specs,
-        out_shape=[jax.ShapeDtypeStruct((batch, heads, num_kv_blocks * block_k, head_dim), dk_dtype),
-                   jax.ShapeDtypeStruct((batch, heads, num_kv_blocks * block_k, v_head_dim), dv_dtype)],
         scratch_shapes=[
             pltpu.VMEM((block_k, head_dim), jnp.float32),  # dK accumulator
             pltpu.VMEM((block_k, v_head_dim), jnp.float32),  # dV accumulator
         ],
+    )
+    return pl.pallas_call(
+        kernel,
+        **with_tables(grid, len(tables)),
+        out_shape=[jax.ShapeDtypeStruct((batch, heads, num_kv_blocks * block_k, head_dim), dk_dtype),
+                   jax.ShapeDtypeStruct((batch, heads, num_kv_blocks * block_k, v_head_dim), dv_dtype)],
         compiler_params=pltpu.CompilerParams(dimension_semantics=(PARALLEL, PARALLEL, PARALLEL, ARBITRARY)),
         cost_estimate=_cost_estimate("dkv", (batch, heads, q_len, kv_len, head_dim, causal), q.dtype, sizes),
         interpret=interpret,
         name="flash_attention_dkv" + ("_causal" if causal else ""),
-    )(*_inputs(q, k, v, do, lse_rows, d_rows, ids, variants, "q_rows", "kv_columns"))
+    )(*tables, *_inputs(q, k, v, do, lse_rows, d_rows, ids, variants, "q_rows", "kv_columns"))
 
 
 def _fused(q, k, v, do, lse_rows, d_rows, ids=None, *, causal: bool, scale: float, q_len: int, kv_len: int,
@@ -351,10 +398,10 @@ def _fused(q, k, v, do, lse_rows, d_rows, ids=None, *, causal: bool, scale: floa
                                      segments=variants.segments)
     dk_dtype, dv_dtype = (k.dtype, v.dtype) if group == 1 else (jnp.float32, jnp.float32)
 
-    def k_t_index_map(b, h, j, i):
+    def k_t_index_map(b, h, j, i, *tables):
         return b, _kv_head(h, group), 0, j
 
-    def dq_t_index_map(b, h, j, i):
+    def dq_t_index_map(b, h, j, i, *tables):
         """Query block ``i`` on the last key block, where it is written; block 0 before (no copy out)."""
         return b, h, 0, jnp.where(j == num_kv_blocks - 1, i, 0)
 
@@ -363,26 +410,31 @@ def _fused(q, k, v, do, lse_rows, d_rows, ids=None, *, causal: bool, scale: floa
     extra_vmem = _fused_vmem_bytes(q_padded_len, head_dim, block_q, block_k, q.dtype)  # beyond the dK/dV budget
     kernel = functools.partial(_fused_kernel, causal=causal, scale=scale, q_len=q_len, kv_len=kv_len,
                                has_padding=num_kv_blocks * block_k != kv_len, variants=variants)
-    return pl.pallas_call(
-        kernel,
+    tables = _segment_tables(ids, variants, keys_outer=True, q_len=q_len, kv_len=kv_len, block_q=block_q,
+                             block_k=block_k, causal=causal)
+    grid = dict(
         grid=(batch, heads, num_kv_blocks, num_q_blocks),
         in_specs=[*in_specs, pl.BlockSpec((squeezed, squeezed, head_dim, block_k), k_t_index_map)],
         out_specs=[*out_specs, pl.BlockSpec((squeezed, squeezed, head_dim, block_q), dq_t_index_map)],
-        out_shape=[jax.ShapeDtypeStruct((batch, heads, num_kv_blocks * block_k, head_dim), dk_dtype),
-                   jax.ShapeDtypeStruct((batch, heads, num_kv_blocks * block_k, v_head_dim), dv_dtype),
-                   jax.ShapeDtypeStruct((batch, heads, head_dim, q_padded_len), q.dtype)],
         scratch_shapes=[
             pltpu.VMEM((block_k, head_dim), jnp.float32),  # dK accumulator
             pltpu.VMEM((block_k, v_head_dim), jnp.float32),  # dV accumulator
             pltpu.VMEM((head_dim, q_padded_len), jnp.float32),  # dQ^T accumulator, one head
         ],
+    )
+    return pl.pallas_call(
+        kernel,
+        **with_tables(grid, len(tables)),
+        out_shape=[jax.ShapeDtypeStruct((batch, heads, num_kv_blocks * block_k, head_dim), dk_dtype),
+                   jax.ShapeDtypeStruct((batch, heads, num_kv_blocks * block_k, v_head_dim), dv_dtype),
+                   jax.ShapeDtypeStruct((batch, heads, head_dim, q_padded_len), q.dtype)],
         compiler_params=pltpu.CompilerParams(  # dQ^T sums over the key blocks: that axis turns sequential too
             dimension_semantics=(PARALLEL, PARALLEL, ARBITRARY, ARBITRARY),
             vmem_limit_bytes=vmem_limit_bytes(sizes.generation) + extra_vmem),
         cost_estimate=_cost_estimate("fused", (batch, heads, q_len, kv_len, head_dim, causal), q.dtype, sizes),
         interpret=interpret,
         name="flash_attention_dkv_dq" + ("_causal" if causal else ""),
-    )(*_inputs(q, k, v, do, lse_rows, d_rows, ids, variants, "q_rows", "kv_columns"), k_t)
+    )(*tables, *_inputs(q, k, v, do, lse_rows, d_rows, ids, variants, "q_rows", "kv_columns"), k_t)
 
 
 def _fused_vmem_bytes(q_padded_len: int, head_dim: int, block_q: int, block_k: int, dtype) -> int:
@@ -403,12 +455,13 @@ def _dq_kernel(
     causal: bool, scale: float, q_len: int, kv_len: int, has_padding: bool, variants: KernelVariants,
     num_kv_blocks: int,
 ):
-    in_refs, (dq_ref, dq_acc_ref, lse_col_ref, d_col_ref) = _take_refs(refs, variants.segments)
+    live_ref, in_refs, (dq_ref, dq_acc_ref, lse_col_ref, d_col_ref) = _take_refs(refs, variants.segments)
     block_q, block_k = in_refs.q.shape[0], in_refs.k.shape[0]
     q_block = pl.program_id(2)
     kv_block, live = geometry.visited_block(q_block, pl.program_id(3), outer_block=block_q, inner_block=block_k,
                                             num_inner=num_kv_blocks, q_len=q_len, kv_len=kv_len, causal=causal,
                                             window=variants.window)
+    live = live & _pair_is_live(live_ref, q_block, kv_block, num_kv_blocks)
     block_geometry = dict(block_q=block_q, block_k=block_k, q_len=q_len, kv_len=kv_len, causal=causal,
                           window=variants.window)
 
@@ -455,17 +508,21 @@ def _dq(q, k, v, do, lse_rows, d_rows, ids=None, *, causal: bool, scale: float, 
                 causal=causal, window=variants.window)
     grid_kv_steps = geometry.live_steps(num_q_blocks, **live)
 
-    def kv_block_of(i, j):
-        """The key block grid step ``j`` of query block ``i`` reads (geometry.fetched_block; skipped: no copy)."""
-        return geometry.fetched_block(i, j, **live)
+    def kv_block_of(b, i, j, tables):
+        """The key block grid step ``j`` of query block ``i`` reads (geometry.fetched_block, then with segment
+        ids the block table's fetch; skipped: no copy)."""
+        block = geometry.fetched_block(i, j, **live)
+        if tables:
+            block = tables[1][(b * num_q_blocks + i) * num_kv_blocks + block]
+        return block
 
-    def q_index_map(b, h, i, j):
+    def q_index_map(b, h, i, j, *tables):
         return b, h, i, 0
 
-    def kv_index_map(b, h, i, j):
-        return b, _kv_head(h, group), kv_block_of(i, j), 0
+    def kv_index_map(b, h, i, j, *tables):
+        return b, _kv_head(h, group), kv_block_of(b, i, j, tables), 0
 
-    def row_stat_index_map(b, h, i, j):
+    def row_stat_index_map(b, h, i, j, *tables):
         return b, h, 0, i
 
     squeezed = pl.squeezed
@@ -476,24 +533,30 @@ def _dq(q, k, v, do, lse_rows, d_rows, ids=None, *, causal: bool, scale: float, 
                 pl.BlockSpec((squeezed, squeezed, NUM_SUBLANES, block_q), row_stat_index_map),
                 pl.BlockSpec((squeezed, squeezed, NUM_SUBLANES, block_q), row_stat_index_map)]
     if variants.segments:  # q ids as columns [block_q, 128], kv ids as rows [8, block_k]
-        in_specs += [pl.BlockSpec((squeezed, block_q, NUM_LANES), lambda b, h, i, j: (b, i, 0)),
-                     pl.BlockSpec((squeezed, NUM_SUBLANES, block_k), lambda b, h, i, j: (b, 0, kv_block_of(i, j)))]
+        in_specs += [pl.BlockSpec((squeezed, block_q, NUM_LANES), lambda b, h, i, j, *t: (b, i, 0)),
+                     pl.BlockSpec((squeezed, NUM_SUBLANES, block_k),
+                                  lambda b, h, i, j, *t: (b, 0, kv_block_of(b, i, j, t)))]
     kernel = functools.partial(_dq_kernel, causal=causal, scale=scale, q_len=q_len, kv_len=kv_len,
                                has_padding=num_kv_blocks * block_k != kv_len, variants=variants,
                                num_kv_blocks=num_kv_blocks)
-    return pl.pallas_call(
-        kernel,
+    tables = _segment_tables(ids, variants, keys_outer=False, q_len=q_len, kv_len=kv_len, block_q=block_q,
+                             block_k=block_k, causal=causal)
+    grid = dict(
         grid=(batch, heads, num_q_blocks, grid_kv_steps),
         in_specs=in_specs,
         out_specs=in_specs[0],
-        out_shape=jax.ShapeDtypeStruct((batch, heads, num_q_blocks * block_q, head_dim), q.dtype),
         scratch_shapes=[
             pltpu.VMEM((block_q, head_dim), jnp.float32),  # dQ accumulator
             pltpu.VMEM((block_q, NUM_LANES), jnp.float32),  # lse, lane-replicated
             pltpu.VMEM((block_q, NUM_LANES), jnp.float32),  # D, lane-replicated
         ],
+    )
+    return pl.pallas_call(
+        kernel,
+        **with_tables(grid, len(tables)),
+        out_shape=jax.ShapeDtypeStruct((batch, heads, num_q_blocks * block_q, head_dim), q.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=(PARALLEL, PARALLEL, PARALLEL, ARBITRARY)),
         cost_estimate=_cost_estimate("dq", (batch, heads, q_len, kv_len, head_dim, causal), q.dtype, sizes),
         interpret=interpret,
         name="flash_attention_dq" + ("_causal" if causal else ""),
-    )(*_inputs(q, k, v, do, lse_rows, d_rows, ids, variants, "q_columns", "kv_rows"))
+    )(*tables, *_inputs(q, k, v, do, lse_rows, d_rows, ids, variants, "q_columns", "kv_rows"))

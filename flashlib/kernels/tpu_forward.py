@@ -36,6 +36,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
@@ -45,17 +46,24 @@ from flashlib.geometry import MASK_VALUE
 from flashlib.kernels.block_sizes import BlockSizes
 from flashlib.kernels.options import resolve_call
 from flashlib.kernels.scores import LN_2, LOG2_E, base2_scores, lanes_to, sublanes_to
-from flashlib.kernels.variants import PLAIN, KernelVariants, segment_layouts, sinks_tiles, soft_cap
+from flashlib.kernels.variants import (
+    PLAIN,
+    KernelVariants,
+    segment_blocks,
+    segment_layouts,
+    sinks_tiles,
+    soft_cap,
+    with_tables,
+)
 from flashlib.tiling import NUM_LANES, NUM_SUBLANES, pad_to_multiple
 
 __all__ = ["flash_attention_forward", "forward", "natural_lse"]
 
 def _forward_kernel(
-    q_ref,  # [block_q, head_dim]
-    k_ref,  # [block_k_major, head_dim]
-    v_ref,  # [block_k_major, v_head_dim]
-    *refs,  # segment ids q [block_q, 128], kv [8, block_k_major] (int32); sink [8, 128] f32; outputs o
-            # [block_q, v_head_dim] (, lse [block_q, 128] f32); scratch m, l [block_q, 128], acc [block_q, v_head_dim]
+    *refs,  # (segment ids: the block tables live, fetch [b * nq * n_steps] int32 in SMEM, scalar-prefetched);
+            # q [block_q, head_dim], k [block_k_major, head_dim], v [block_k_major, v_head_dim]; (segment ids
+            # q [block_q, 128], kv [8, block_k_major] int32); (sink [8, 128] f32); outputs o [block_q, v_head_dim]
+            # (, lse [block_q, 128] f32); scratch m, l [block_q, 128], acc [block_q, v_head_dim]
     causal: bool,
     scale: float,
     block_k: int,
@@ -67,6 +75,8 @@ def _forward_kernel(
     num_kv_steps: int,
 ):
     refs = list(refs)
+    live_ref, _ = (refs.pop(0), refs.pop(0)) if variants.segments else (None, None)
+    q_ref, k_ref, v_ref = refs.pop(0), refs.pop(0), refs.pop(0)
     q_seg_ref, kv_seg_ref = (refs.pop(0), refs.pop(0)) if variants.segments else (None, None)
     sink_ref = refs.pop(0) if variants.sinks else None
     if return_lse:
@@ -84,6 +94,9 @@ def _forward_kernel(
     kv_step, step_is_live = geometry.visited_block(q_block, pl.program_id(3), outer_block=block_q,
                                                    inner_block=kv_step_len, num_inner=num_kv_steps, q_len=q_len,
                                                    kv_len=kv_len, causal=causal, window=window)
+    if live_ref is not None:  # and the step's keys can meet this query block's segments (SegmentBlocks)
+        row = (pl.program_id(0) * pl.num_programs(2) + q_block) * num_kv_steps
+        step_is_live = step_is_live & (live_ref[row + jnp.minimum(kv_step, num_kv_steps - 1)] != 0)
     block_geometry = dict(block_q=block_q, block_k=block_k, q_len=q_len, kv_len=kv_len, causal=causal,
                           window=window)
     # Rows that see no key at all (KernelVariants.has_blind_rows): their m stays MASK_VALUE and exp2(s - m)
@@ -249,18 +262,31 @@ def forward(q, k, v, segment_ids=None, sinks=None, *, causal: bool, scale: float
     # the key axis: the most steps any query block needs (all of them, unless a window bounds both sides)
     grid_kv_steps = geometry.live_steps(num_q_blocks, **live)
 
-    def q_index_map(b, h, i, j):
+    prefetch = []  # segment ids: the block tables, scalar-prefetched into SMEM; every index map receives them
+    if variants.segments:
+        ids = segment_layouts(segment_ids, q_padded.shape[2], k_padded.shape[2])
+        band = np.broadcast_to(geometry.block_is_visible(
+            np.arange(num_q_blocks)[:, None], np.arange(num_kv_steps)[None, :], block_q=block_q, block_k=kv_step,
+            q_len=q_len, kv_len=kv_len, causal=causal, window=variants.window), (num_q_blocks, num_kv_steps))
+        blocks = segment_blocks(ids["q_columns"][:, :, 0], ids["kv_rows"][:, 0, :], outer_len=q_len, inner_len=kv_len,
+                                outer_block=block_q, inner_block=kv_step, band_visible=band)
+        prefetch = [blocks.live, blocks.fetch]
+
+    def q_index_map(b, h, i, j, *tables):
         return b, h, i, 0
 
-    def kv_step_of(i, j):
-        """The key step grid step ``j`` of query block ``i`` reads (geometry.fetched_block): past the last one
-        it needs, the same index again, so no new HBM -> VMEM copy."""
-        return geometry.fetched_block(i, j, **live)
+    def kv_step_of(b, i, j, tables):
+        """The key step grid step ``j`` of query block ``i`` reads (geometry.fetched_block, then with segment
+        ids the block table's): past the last one it needs, the same index again, so no new HBM -> VMEM copy."""
+        step = geometry.fetched_block(i, j, **live)
+        if tables:
+            step = tables[1][(b * num_q_blocks + i) * num_kv_steps + step]
+        return step
 
-    def kv_index_map(b, h, i, j):
-        return b, (h if group == 1 else lax.div(h, group)), kv_step_of(i, j), 0  # GQA: the group's kv head
+    def kv_index_map(b, h, i, j, *tables):
+        return b, (h if group == 1 else lax.div(h, group)), kv_step_of(b, i, j, tables), 0  # GQA: the group's head
 
-    def row_stat_index_map(b, h, i, j):
+    def row_stat_index_map(b, h, i, j, *tables):
         return b, h, i, 0
 
     squeezed = pl.squeezed
@@ -269,12 +295,12 @@ def forward(q, k, v, segment_ids=None, sinks=None, *, causal: bool, scale: float
     v_spec = pl.BlockSpec((squeezed, squeezed, kv_step, v_head_dim), kv_index_map)
     in_specs, inputs = [q_spec, k_spec, v_spec], [q_padded, k_padded, v_padded]
     if variants.segments:
-        ids = segment_layouts(segment_ids, q_padded.shape[2], k_padded.shape[2])
-        in_specs += [pl.BlockSpec((squeezed, block_q, NUM_LANES), lambda b, h, i, j: (b, i, 0)),
-                     pl.BlockSpec((squeezed, NUM_SUBLANES, kv_step), lambda b, h, i, j: (b, 0, kv_step_of(i, j)))]
+        in_specs += [pl.BlockSpec((squeezed, block_q, NUM_LANES), lambda b, h, i, j, *t: (b, i, 0)),
+                     pl.BlockSpec((squeezed, NUM_SUBLANES, kv_step),
+                                  lambda b, h, i, j, *t: (b, 0, kv_step_of(b, i, j, t)))]
         inputs += [ids["q_columns"], ids["kv_rows"]]
     if variants.sinks:
-        in_specs.append(pl.BlockSpec((squeezed, NUM_SUBLANES, NUM_LANES), lambda b, h, i, j: (h, 0, 0)))
+        in_specs.append(pl.BlockSpec((squeezed, NUM_SUBLANES, NUM_LANES), lambda b, h, i, j, *t: (h, 0, 0)))
         inputs.append(sinks_tiles(sinks))
     out_shape = [jax.ShapeDtypeStruct((*q_padded.shape[:3], v_head_dim), out_dtype)]
     out_specs = [pl.BlockSpec((squeezed, squeezed, block_q, v_head_dim), q_index_map)]
@@ -288,17 +314,20 @@ def forward(q, k, v, segment_ids=None, sinks=None, *, causal: bool, scale: float
         has_padding=k_padded.shape[2] != kv_len, return_lse=return_lse, variants=variants,
         num_kv_steps=num_kv_steps,
     )
-    outputs = pl.pallas_call(
-        kernel,
+    grid = dict(
         grid=(batch, heads, num_q_blocks, grid_kv_steps),
         in_specs=in_specs,
         out_specs=out_specs,
-        out_shape=out_shape,
         scratch_shapes=[
             pltpu.VMEM((block_q, NUM_LANES), jnp.float32),  # m: running max (base 2), lane-replicated
             pltpu.VMEM((block_q, NUM_LANES), jnp.float32),  # l: running sum, lane-replicated
             pltpu.VMEM((block_q, v_head_dim), jnp.float32),  # acc: unnormalised output
         ],
+    )
+    outputs = pl.pallas_call(
+        kernel,
+        **with_tables(grid, len(prefetch)),
+        out_shape=out_shape,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
         cost_estimate=pl.CostEstimate(  # the causal mask's count (cost.py); a window's skipped blocks are not counted
             flops=cost.attention_flops(*dims, block_sizes=sizes),
@@ -307,7 +336,7 @@ def forward(q, k, v, segment_ids=None, sinks=None, *, causal: bool, scale: float
         ),
         interpret=interpret,
         name="flash_attention_forward" + ("_causal" if causal else ""),
-    )(*inputs)
+    )(*prefetch, *inputs)
     out = outputs[0][:, :, :q_len]  # [b, h, q_len, dv]
     if not return_lse:
         return out
