@@ -41,8 +41,9 @@ from typing import Any
 
 import flashlib
 from flashlib import cost, env, hardware, llo_dump
-from flashlib.kernels import BlockSizes
+from flashlib.kernels import BlockSizes, tpu_forward
 from flashlib.kernels.block_sizes import GENERATIONS
+from flashlib.kernels.variants import KernelVariants
 from flashlib.llo_dump import BundleStats
 from flashlib.tpu_compile import explain_compiler_error
 
@@ -407,6 +408,17 @@ def flashlib_forward(q, k, v, *, causal: bool, block_q: int, block_k: int, gener
     sizes = BlockSizes(block_q=block_q, block_k=block_k, generation=generation, block_k_major=block_k_major)
     return flashlib.attention(q, k, v, causal=causal, impl="pallas", interpret=False, block_sizes=sizes,
                               window=window)
+
+
+def flashlib_segments_forward(q, k, v, q_segments, kv_segments, *, causal: bool, block_q: int, block_k: int,
+                              block_tables: bool = True):
+    """flashlib's Pallas forward with segment ids, compiled: with the scalar-prefetched block tables that skip
+    pairs of blocks whose segments cannot meet (``block_tables``; a static estimate counts the work under
+    their SMEM guard as free), or without them (every block in the band visited and masked)."""
+    sizes = BlockSizes(block_q=block_q, block_k=block_k).fit(q.shape[2], k.shape[2], q.dtype)
+    variants = KernelVariants(segments=True, block_tables=block_tables)
+    return tpu_forward.forward(q, k, v, (q_segments, kv_segments), causal=causal, scale=q.shape[-1] ** -0.5,
+                               sizes=sizes, interpret=False, return_lse=False, variants=variants)
 
 
 def jax_flash_forward(q, k, v, *, causal: bool, block_q: int, block_k: int, block_k_major: int):

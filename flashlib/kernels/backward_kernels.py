@@ -118,11 +118,11 @@ class _Refs(NamedTuple):
     kv_ids: Any = None
 
 
-def _take_refs(refs: tuple, segments: bool) -> tuple[Any, _Refs, list]:
+def _take_refs(refs: tuple, variants: KernelVariants) -> tuple[Any, _Refs, list]:
     """Split a kernel's positional refs into the block table of live pairs (segment ids: scalar-prefetched,
     first; else None), its :class:`_Refs` and the rest (outputs, scratch)."""
-    live_ref, refs = (refs[0], refs[2:]) if segments else (None, refs)
-    count = 8 if segments else 6
+    live_ref, refs = (refs[0], refs[2:]) if variants.uses_tables else (None, refs)
+    count = 8 if variants.segments else 6
     return live_ref, _Refs(*refs[:count]), list(refs[count:])
 
 
@@ -197,7 +197,7 @@ def _dkv_kernel(
     causal: bool, scale: float, q_len: int, kv_len: int, has_padding: bool, variants: KernelVariants,
     num_q_blocks: int,
 ):
-    live_ref, in_refs, (dk_ref, dv_ref, dk_acc_ref, dv_acc_ref) = _take_refs(refs, variants.segments)
+    live_ref, in_refs, (dk_ref, dv_ref, dk_acc_ref, dv_acc_ref) = _take_refs(refs, variants)
     block_q, block_k = in_refs.q.shape[0], in_refs.k.shape[0]
     block_geometry = dict(block_q=block_q, block_k=block_k, q_len=q_len, kv_len=kv_len, causal=causal,
                           window=variants.window)
@@ -234,7 +234,7 @@ def _fused_kernel(
     """:func:`_dkv_kernel`, and with the ``dS^T`` tile it already has, ``dQ^T[:, q block] += k^T dS^T``. Its
     query axis is the whole sequence (a window bounded on the left runs the separate kernels, which compact)."""
     live_ref, in_refs, (k_t_ref, dk_ref, dv_ref, dq_t_ref, dk_acc_ref, dv_acc_ref, dq_t_acc_ref) = _take_refs(
-        refs, variants.segments)
+        refs, variants)
     block_q, block_k = in_refs.q.shape[0], in_refs.k.shape[0]
     kv_block, q_block = pl.program_id(2), pl.program_id(3)
     block_geometry = dict(block_q=block_q, block_k=block_k, q_len=q_len, kv_len=kv_len, causal=causal,
@@ -338,8 +338,8 @@ def _inputs(q, k, v, do, lse_rows, d_rows, ids, variants: KernelVariants, q_ids:
 
 
 def _segment_tables(ids, variants: KernelVariants, **geometry_) -> list:
-    """The block tables to prefetch (none without segment ids)."""
-    if not variants.segments:
+    """The block tables to prefetch (none without segment ids, or with the tables off)."""
+    if not variants.uses_tables:
         return []
     return _tables(ids["q_rows"][:, 0, :], ids["kv_rows"][:, 0, :], window=variants.window, **geometry_)
 
@@ -455,7 +455,7 @@ def _dq_kernel(
     causal: bool, scale: float, q_len: int, kv_len: int, has_padding: bool, variants: KernelVariants,
     num_kv_blocks: int,
 ):
-    live_ref, in_refs, (dq_ref, dq_acc_ref, lse_col_ref, d_col_ref) = _take_refs(refs, variants.segments)
+    live_ref, in_refs, (dq_ref, dq_acc_ref, lse_col_ref, d_col_ref) = _take_refs(refs, variants)
     block_q, block_k = in_refs.q.shape[0], in_refs.k.shape[0]
     q_block = pl.program_id(2)
     kv_block, live = geometry.visited_block(q_block, pl.program_id(3), outer_block=block_q, inner_block=block_k,

@@ -75,7 +75,7 @@ def _forward_kernel(
     num_kv_steps: int,
 ):
     refs = list(refs)
-    live_ref, _ = (refs.pop(0), refs.pop(0)) if variants.segments else (None, None)
+    live_ref, _ = (refs.pop(0), refs.pop(0)) if variants.uses_tables else (None, None)
     q_ref, k_ref, v_ref = refs.pop(0), refs.pop(0), refs.pop(0)
     q_seg_ref, kv_seg_ref = (refs.pop(0), refs.pop(0)) if variants.segments else (None, None)
     sink_ref = refs.pop(0) if variants.sinks else None
@@ -265,6 +265,7 @@ def forward(q, k, v, segment_ids=None, sinks=None, *, causal: bool, scale: float
     prefetch = []  # segment ids: the block tables, scalar-prefetched into SMEM; every index map receives them
     if variants.segments:
         ids = segment_layouts(segment_ids, q_padded.shape[2], k_padded.shape[2])
+    if variants.uses_tables:
         band = np.broadcast_to(geometry.block_is_visible(
             np.arange(num_q_blocks)[:, None], np.arange(num_kv_steps)[None, :], block_q=block_q, block_k=kv_step,
             q_len=q_len, kv_len=kv_len, causal=causal, window=variants.window), (num_q_blocks, num_kv_steps))

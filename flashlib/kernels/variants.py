@@ -51,6 +51,14 @@ class KernelVariants(NamedTuple):
     softcap: float | None = None
     segments: bool = False
     sinks: bool = False
+    # False: segment ids without the scalar-prefetched block tables — every block in the band is visited and
+    # masked. Slower; it exists to measure (a static estimate cannot see work under guards on SMEM data).
+    block_tables: bool = True
+
+    @property
+    def uses_tables(self) -> bool:
+        """Whether the kernels receive :class:`SegmentBlocks` by scalar prefetch (segment ids, tables on)."""
+        return self.segments and self.block_tables
 
     @classmethod
     def of(cls, *, window=None, softcap=None, segment_ids=None, sinks=None) -> KernelVariants:
