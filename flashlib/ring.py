@@ -1,0 +1,333 @@
+"""Ring attention: the sequence split over a mesh axis, key/value chunks passed around a ring of devices.
+
+Each of the ``n`` devices on ``seq_axis`` keeps its own query chunk(s) and, at ring step ``s``, holds the
+key/value chunk(s) of device ``(i - s) mod n``. It computes attention of its queries over those keys with any
+per-chunk worker (:mod:`flashlib.ring_workers`: reference, blockwise, pallas), which returns a partial
+output and its log-sum-exp, and folds it into a running softmax state by notebook 03's merge identity
+(:func:`flashlib.reference.merge_states`, with ``m = lse, l = 1, acc = out``). Then it hands its key/value
+chunk to device ``i + 1`` (``jax.lax.ppermute``). After ``n`` steps every query has met every key; the
+states are exact, not approximations (Liu et al., "Ring Attention with Blockwise Transformers", 2023).
+
+Backward (a ``jax.custom_vjp``): the forward saves only ``q, k, v``, the output and the *global* lse. The
+ring runs again; at each step the worker's backward recomputes the chunk pair's probabilities from the
+global lse and returns its dQ (kept) and dK/dV, which travel around the ring *with* their k/v chunk as
+accumulators; one last hop brings every dK/dV home.
+
+Causal and load balance: a query chunk ``a`` against key chunk ``b`` is fully visible (``b < a``), the
+causal diagonal (``b == a``), or skipped (``b > a``; a ``lax.switch`` runs no branch's work). With
+contiguous chunks device 0 has almost nothing to do and device ``n - 1`` everything, and every ring step
+lasts as long as its busiest device. ``load_balance="zigzag"`` splits the sequence into ``2n`` chunks and
+gives device ``i`` chunks ``i`` and ``2n - 1 - i``: then every device does the same work at every step
+(:func:`ring_schedule` counts it).
+
+Overlap: each step issues the ``ppermute`` of the next chunk before the worker's computation on the current
+one, and nothing in the step depends on the transfer, so the two may run at once; XLA's scheduler decides
+whether they do (on TPU the compiled program shows ``collective-permute-start`` ... ``-done`` around the
+kernel; tests/test_ring_compile.py checks it for a v5e slice).
+
+Lengths that do not divide: the sequence is padded at its end to a multiple of the chunk count. Causal
+needs no mask for that (a real query never sees a later, padded key); otherwise the pair against the one
+partly padded key chunk gives the worker only the chunk's real keys (a static slice: which chunk that is is
+known when tracing), and wholly padded key chunks are skipped. Padded queries are dropped from the output.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec
+
+from flashlib.api import validate_inputs
+from flashlib.reference import SoftmaxState, default_scale, merge_states, state_output
+from flashlib.ring_workers import Worker, make_worker
+from flashlib.sharded import axis_size, check_divides, check_mesh_axis, place
+
+__all__ = ["LOAD_BALANCES", "RingPlan", "chunks_of_device", "ring_attention", "ring_schedule"]
+
+LOAD_BALANCES = (None, "zigzag")
+SKIP, FULL, DIAGONAL, PARTIAL = 0, 1, 2, 3  # what one (query chunk, key chunk) pair asks of the worker
+
+
+def chunks_of_device(device: Any, n: int, load_balance: str | None) -> tuple[Any, ...]:
+    """The global chunk indices device ``device`` of ``n`` holds (ints, or traced ints inside the ring)."""
+    return (device,) if load_balance is None else (device, 2 * n - 1 - device)
+
+
+class RingPlan(NamedTuple):
+    """The static layout of one ring call."""
+
+    n: int  # devices on the ring
+    chunks_per_device: int  # 1 (contiguous) or 2 (zigzag)
+    chunk: int  # tokens per chunk
+    length: int  # the real sequence length (the rest of n * chunks_per_device * chunk is padding)
+    causal: bool
+    load_balance: str | None
+
+    @staticmethod
+    def make(length: int, n: int, causal: bool, load_balance: str | None) -> RingPlan:
+        per_device = 1 if load_balance is None else 2
+        chunk = -(-length // (n * per_device))  # ceil
+        return RingPlan(n, per_device, chunk, length, bool(causal), load_balance)
+
+    @property
+    def padded_length(self) -> int:
+        return self.n * self.chunks_per_device * self.chunk
+
+    @property
+    def partial_keys(self) -> int:
+        """The real keys in the one partly padded chunk (0 if the length divides evenly)."""
+        return self.length % self.chunk if self.padded_length != self.length else 0
+
+    def kind(self, a: Any, b: Any) -> Any:
+        """What query chunk ``a`` asks of key chunk ``b`` (SKIP, FULL, DIAGONAL, PARTIAL); works on ints and
+        on traced ints."""
+        xp = np if isinstance(a, (int, np.integer)) and isinstance(b, (int, np.integer)) else jnp
+        real = xp.clip(self.length - b * self.chunk, 0, self.chunk)  # real keys in chunk b
+        q_real = xp.clip(self.length - a * self.chunk, 0, self.chunk)
+        visible = xp.where(real == self.chunk, FULL, PARTIAL)
+        if self.causal:
+            visible = xp.where(b == a, DIAGONAL, xp.where(b < a, visible, SKIP))
+        return xp.where((real == 0) | (q_real == 0), SKIP, visible)
+
+    def ring_order(self) -> np.ndarray:
+        """The global chunk indices in device order: device ``i``'s contiguous block of the reordered
+        sequence is its chunks (for zigzag ``[0, 2n-1, 1, 2n-2, ...]``)."""
+        return np.array([c for i in range(self.n) for c in chunks_of_device(i, self.n, self.load_balance)])
+
+
+def ring_schedule(n: int, *, causal: bool = True, load_balance: str | None = "zigzag", length: int | None = None
+                  ) -> dict[str, Any]:
+    """Count the work of each device at each ring step: visible ``(query, key)`` score elements.
+
+    Returns ``{"work": [steps, devices] array, "total", "critical_path", "imbalance"}``: the ring's time is
+    the sum over steps of the busiest device's work (``critical_path``), and ``imbalance`` is that over the
+    ideal ``total / n`` (1.0: perfectly balanced). ``length`` defaults to ``64 n`` tokens.
+    """
+    if load_balance not in LOAD_BALANCES:
+        raise ValueError(f"load_balance must be one of {LOAD_BALANCES}, got {load_balance!r}")
+    plan = RingPlan.make(64 * n if length is None else length, n, causal, load_balance)
+    c, work = plan.chunk, np.zeros((n, n), np.int64)
+    for step in range(n):
+        for device in range(n):
+            source = (device - step) % n
+            for a in chunks_of_device(device, n, load_balance):
+                for b in chunks_of_device(source, n, load_balance):
+                    kind = int(plan.kind(a, b))
+                    keys = c if kind != PARTIAL else plan.partial_keys
+                    work[step, device] += {SKIP: 0, FULL: c * keys, PARTIAL: c * keys, DIAGONAL: c * (c + 1) // 2}[kind]
+    total, critical = int(work.sum()), int(work.max(axis=1).sum())
+    return {"work": work, "total": total, "critical_path": critical, "imbalance": critical * n / max(total, 1)}
+
+
+def ring_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    mesh: Mesh,
+    seq_axis: str,
+    batch_axis: str | None = None,
+    head_axis: str | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+    impl: str = "blockwise",
+    load_balance: str | None = "zigzag",
+    **options: Any,
+) -> jax.Array:
+    """Self-attention with the sequence split over ``seq_axis`` of ``mesh`` (and optionally batch and heads).
+
+    Args:
+      q: ``[batch, heads, seq, head_dim]``; k, v: ``[batch, kv_heads, seq, head_dim / v_head_dim]``, the same
+        ``seq`` (one sequence split over the ring), float32 or bfloat16; ``kv_heads`` divides ``heads``.
+      mesh, seq_axis: the ring is ``seq_axis`` of ``mesh``; batch_axis, head_axis: other mesh axes that split
+        batch and heads (no communication along them; sizes must divide batch, heads and kv_heads).
+      causal: bottom-right aligned = the usual causal mask for self-attention.
+      scale: default ``1 / sqrt(head_dim)``.
+      impl: the per-chunk worker, ``"blockwise"``, ``"pallas"`` or ``"reference"``; options go to it
+        (``block_q``/``block_k``; ``block_sizes``/``interpret``).
+      load_balance: ``"zigzag"`` (2n chunks; device i holds chunks i and 2n-1-i) or None (contiguous).
+        The reordering happens around the ring here; a model would keep its activations in ring order.
+
+    Returns:
+      ``out [batch, heads, seq, v_head_dim]`` in q's dtype, differentiable in q, k, v (first order).
+    """
+    shape = validate_inputs(q, k, v, scale=scale)
+    if shape.q_len != shape.kv_len:
+        raise ValueError(f"ring attention splits one sequence: q and k must have the same length (axis 2), got "
+                         f"{shape.q_len} and {shape.kv_len}; for cross-attention use sharded_attention")
+    if load_balance not in LOAD_BALANCES:
+        raise ValueError(f"load_balance must be one of {LOAD_BALANCES}, got {load_balance!r}")
+    if seq_axis is None:
+        raise ValueError("seq_axis must name the mesh axis of the ring, e.g. seq_axis='seq'")
+    for name, axis in (("seq_axis", seq_axis), ("batch_axis", batch_axis), ("head_axis", head_axis)):
+        check_mesh_axis(mesh, name, axis)
+    if seq_axis in (batch_axis, head_axis):
+        raise ValueError(f"seq_axis={seq_axis!r} is also the batch or head axis; give the ring its own mesh axis")
+    check_divides(mesh, shape, batch_axis=batch_axis, head_axis=head_axis)
+    scale = default_scale(shape.head_dim) if scale is None else float(scale)
+    worker = make_worker(impl, scale, dict(options))
+    plan = RingPlan.make(shape.q_len, axis_size(mesh, seq_axis), causal, load_balance)
+
+    def to_ring(x):  # [b, h, L, d] -> [b, h, padded L, d], chunks in device order
+        x = jnp.pad(x, ((0, 0), (0, 0), (0, plan.padded_length - x.shape[2]), (0, 0)))
+        return _reorder(x, plan, to_ring=True)
+
+    spec = PartitionSpec(batch_axis, head_axis, seq_axis)
+
+    def body(q, k, v):
+        return _ring(q, k, v, plan, worker, seq_axis)
+
+    out = jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, check_vma=False)(
+        *(place(to_ring(x), mesh, spec) for x in (q, k, v)))
+    out = place(out, mesh, PartitionSpec(batch_axis, head_axis))  # Explicit axes: whole sequence, to reorder
+    return _reorder(out, plan, to_ring=False)[:, :, :shape.q_len]
+
+
+def _reorder(x: jax.Array, plan: RingPlan, *, to_ring: bool) -> jax.Array:
+    """Sequence order <-> ring order (:meth:`RingPlan.ring_order`) along axis 2 of ``x [b, h, L, d]``, by
+    slices, flips and stacks (no gather: its transpose is a scatter, which Explicit mesh axes refuse)."""
+    if plan.load_balance is None:
+        return x
+    b, h, length, d = x.shape
+    n, c = plan.n, plan.chunk
+    if to_ring:  # chunks [0 .. n-1 | n .. 2n-1] -> [0, 2n-1, 1, 2n-2, ...]
+        blocks = x.reshape(b, h, 2 * n, c, d)
+        pairs = jnp.stack([blocks[:, :, :n], jnp.flip(blocks[:, :, n:], axis=2)], axis=3)  # [b, h, n, 2, c, d]
+        return pairs.reshape(b, h, length, d)
+    pairs = x.reshape(b, h, n, 2, c, d)
+    return jnp.concatenate([pairs[:, :, :, 0], jnp.flip(pairs[:, :, :, 1], axis=2)], axis=2).reshape(b, h, length, d)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Inside the ring (per device): q [b, h, C * c, d], k [b, hk, C * c, d], v [b, hk, C * c, dv]
+# ---------------------------------------------------------------------------------------------------
+
+
+def _chunks(x: jax.Array, plan: RingPlan) -> list[jax.Array]:
+    return [x[:, :, i * plan.chunk:(i + 1) * plan.chunk] for i in range(plan.chunks_per_device)]
+
+
+def _pass_on(x: Any, axis: str, n: int) -> Any:
+    """Send to the next device on the ring (device i -> i + 1), receive from the previous one."""
+    return jax.lax.ppermute(x, axis, perm=[(i, (i + 1) % n) for i in range(n)])
+
+
+def _pair_forward(worker: Worker, plan: RingPlan, kind, q, k, v) -> tuple[jax.Array, jax.Array]:
+    """The worker on one chunk pair, by ``kind`` (a traced int): ``(out [b, h, c, dv] f32, lse [b, h, c])``."""
+    rows = q.shape[:3]
+
+    def skip(q, k, v):
+        return jnp.zeros((*rows, v.shape[3]), jnp.float32), jnp.full(rows, -jnp.inf, jnp.float32)
+
+    branches = [skip, lambda q, k, v: worker.forward(q, k, v, False), lambda q, k, v: worker.forward(q, k, v, True)]
+    if plan.partial_keys:
+        r = plan.partial_keys
+        branches.append(lambda q, k, v: worker.forward(q, k[:, :, :r], v[:, :, :r], False))
+    return jax.lax.switch(jnp.minimum(kind, len(branches) - 1), branches, q, k, v)
+
+
+def _pair_backward(worker: Worker, plan: RingPlan, kind, q, k, v, out, lse, do):
+    """The worker's backward on one chunk pair, by ``kind``: ``(dq, dk, dv)`` in f32."""
+
+    def skip(q, k, v, out, lse, do):
+        return jnp.zeros(q.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
+
+    def partial(q, k, v, out, lse, do):
+        r, pad = plan.partial_keys, ((0, 0), (0, 0), (0, plan.chunk - plan.partial_keys), (0, 0))
+        dq, dk, dv = worker.backward(q, k[:, :, :r], v[:, :, :r], out, lse, do, False)
+        return dq, jnp.pad(dk, pad), jnp.pad(dv, pad)
+
+    branches = [skip, lambda *a: worker.backward(*a, False), lambda *a: worker.backward(*a, True)]
+    if plan.partial_keys:
+        branches.append(partial)
+    return jax.lax.switch(jnp.minimum(kind, len(branches) - 1), branches, q, k, v, out, lse, do)
+
+
+def _forward_ring(q, k, v, plan: RingPlan, worker: Worker, axis: str):
+    """``(out [b, h, C c, dv] f32, lse [b, h, C c])`` for this device's queries over the whole sequence."""
+    me = jax.lax.axis_index(axis)
+    mine = chunks_of_device(me, plan.n, plan.load_balance)
+    q_chunks = _chunks(q, plan)
+    rows = q_chunks[0].shape[:3]
+    empty = SoftmaxState(m=jnp.full(rows, -jnp.inf, jnp.float32), l=jnp.zeros(rows, jnp.float32),
+                         acc=jnp.zeros((*rows, v.shape[3]), jnp.float32))
+
+    def visit(states, k, v, step):
+        theirs = chunks_of_device((me - step) % plan.n, plan.n, plan.load_balance)
+        states = list(states)
+        for i, (a, q_a) in enumerate(zip(mine, q_chunks, strict=True)):
+            for b, k_b, v_b in zip(theirs, _chunks(k, plan), _chunks(v, plan), strict=True):
+                out, lse = _pair_forward(worker, plan, plan.kind(a, b), q_a, k_b, v_b)
+                part = SoftmaxState(m=lse, l=jnp.where(jnp.isfinite(lse), 1.0, 0.0), acc=out)
+                states[i] = merge_states(states[i], part)  # notebook 03's identity
+        return tuple(states)
+
+    def step(carry, s):
+        states, k, v = carry
+        k_next, v_next = _pass_on((k, v), axis, plan.n)  # issued first: nothing below waits for it
+        return (visit(states, k, v, s), k_next, v_next), None
+
+    init = (tuple(empty for _ in q_chunks), k, v)
+    (states, k, v), _ = jax.lax.scan(step, init, jnp.arange(plan.n - 1))
+    states = visit(states, k, v, plan.n - 1)  # the last chunk: nothing left to send
+    out = jnp.concatenate([state_output(s) for s in states], axis=2)
+    lse = jnp.concatenate([jnp.where(jnp.isfinite(s.m), s.m, 0.0) + jnp.log(s.l) for s in states], axis=2)
+    return out, lse
+
+
+def _backward_ring(q, k, v, out, lse, do, plan: RingPlan, worker: Worker, axis: str):
+    """``(dq, dk, dv)`` f32 for this device's chunks; dK/dV accumulate while travelling with their k/v."""
+    me = jax.lax.axis_index(axis)
+    mine = chunks_of_device(me, plan.n, plan.load_balance)
+    q_chunks, out_chunks, lse_chunks, do_chunks = (_chunks(x, plan) for x in (q, out, lse[..., None], do))
+
+    def visit(dq, k, v, step):
+        theirs = chunks_of_device((me - step) % plan.n, plan.n, plan.load_balance)
+        dq, dk, dv = list(dq), [], []
+        for b, k_b, v_b in zip(theirs, _chunks(k, plan), _chunks(v, plan), strict=True):
+            dk_b, dv_b = jnp.zeros(k_b.shape, jnp.float32), jnp.zeros(v_b.shape, jnp.float32)
+            for i, a in enumerate(mine):
+                grads = _pair_backward(worker, plan, plan.kind(a, b), q_chunks[i], k_b, v_b, out_chunks[i],
+                                       lse_chunks[i][..., 0], do_chunks[i])
+                dq[i], dk_b, dv_b = dq[i] + grads[0], dk_b + grads[1], dv_b + grads[2]
+            dk.append(dk_b)
+            dv.append(dv_b)
+        return tuple(dq), jnp.concatenate(dk, axis=2), jnp.concatenate(dv, axis=2)
+
+    def step(carry, s):
+        dq, k, v, dk, dv = carry
+        k_next, v_next = _pass_on((k, v), axis, plan.n)
+        dq, dk_here, dv_here = visit(dq, k, v, s)
+        dk, dv = _pass_on((dk + dk_here, dv + dv_here), axis, plan.n)  # the accumulators follow their chunk
+        return (dq, k_next, v_next, dk, dv), None
+
+    dq0 = tuple(jnp.zeros(x.shape, jnp.float32) for x in q_chunks)
+    init = (dq0, k, v, jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+    (dq, k, v, dk, dv), _ = jax.lax.scan(step, init, jnp.arange(plan.n - 1))
+    dq, dk_here, dv_here = visit(dq, k, v, plan.n - 1)
+    dk, dv = _pass_on((dk + dk_here, dv + dv_here), axis, plan.n)  # the last hop: home
+    return jnp.concatenate(dq, axis=2), dk, dv
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _ring(q, k, v, plan: RingPlan, worker: Worker, axis: str):
+    out, _ = _forward_ring(q, k, v, plan, worker, axis)
+    return out.astype(q.dtype)
+
+
+def _ring_fwd(q, k, v, plan, worker, axis):
+    out, lse = _forward_ring(q, k, v, plan, worker, axis)
+    return out.astype(q.dtype), (q, k, v, out, lse)
+
+
+def _ring_bwd(plan, worker, axis, residuals, do):
+    q, k, v, out, lse = residuals
+    dq, dk, dv = _backward_ring(q, k, v, out, lse, do, plan, worker, axis)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
