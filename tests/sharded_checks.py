@@ -89,7 +89,15 @@ def run_case(case_id: str) -> dict:
     naive_values = jax.jit(rules.output_and_grads, static_argnums=0)(naive, q, k, v, do)
     return {"case": case_id, "dtype": dtype.name, "errors": rules.max_errors(values, oracle),
             "naive_errors": rules.max_errors(naive_values, oracle), "seconds": round(seconds, 2),
-            "out_sharding": str(values[0].sharding.spec) if hasattr(values[0].sharding, "spec") else ""}
+            "out_sharding": _spec(values[0])}
+
+
+def _spec(x) -> list:
+    """The array's PartitionSpec as a list, trailing Nones dropped (jax versions print specs differently)."""
+    spec = list(getattr(x.sharding, "spec", ["not a NamedSharding"]))
+    while spec and spec[-1] is None:
+        spec.pop()
+    return spec
 
 
 def bad_inputs() -> dict:

@@ -22,7 +22,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (  # bottom up
         "flashlib._compat", "flashlib.env", "flashlib.hardware", "flashlib.tiling", "flashlib.geometry",
         "flashlib.masks",
         "flashlib.api", "flashlib.data", "flashlib.release", "flashlib.progress", "flashlib.provenance",
-        "flashlib.llo_dump", "flashlib.tpu_compile", "flashlib.viz", "flashlib.viz.*",
+        "flashlib.llo_dump", "flashlib.tpu_compile", "flashlib.slice_compile", "flashlib.viz", "flashlib.viz.*",
     )),
     ("algorithms: the oracle, the pure-JAX stages, the checks, the cost model", (
         "flashlib.reference", "flashlib.blockwise_backward", "flashlib.blockwise", "flashlib.xla", "flashlib.checks",
