@@ -10,8 +10,9 @@ states are exact, not approximations (Liu et al., "Ring Attention with Blockwise
 
 Backward (a ``jax.custom_vjp``): the forward saves only ``q, k, v``, the output and the *global* lse. The
 ring runs again; at each step the worker's backward recomputes the chunk pair's probabilities from the
-global lse and returns its dQ (kept) and dK/dV, which travel around the ring *with* their k/v chunk as
-accumulators; one last hop brings every dK/dV home.
+global lse and returns its dQ (kept) and dK/dV, which travel around the ring after their k/v chunk as
+accumulators, one step behind it (so that their transfer need not wait for the step's kernels); one last
+hop brings every dK/dV home.
 
 Causal and load balance: a query chunk ``a`` against key chunk ``b`` is fully visible (``b < a``), the
 causal diagonal (``b == a``), or skipped (``b > a``; a ``lax.switch`` runs no branch's work). With
@@ -280,12 +281,20 @@ def _forward_ring(q, k, v, plan: RingPlan, worker: Worker, axis: str):
 
 
 def _backward_ring(q, k, v, out, lse, do, plan: RingPlan, worker: Worker, axis: str):
-    """``(dq, dk, dv)`` f32 for this device's chunks; dK/dV accumulate while travelling with their k/v."""
+    """``(dq, dk, dv)`` f32 for this device's chunks.
+
+    dK/dV accumulators follow their k/v chunk around the ring one step behind it, so that no transfer waits
+    for the step's kernels: at step ``t`` a device sends its k/v chunk on *and* the accumulator of the chunk
+    it held at step ``t - 1`` (what arrived for it, plus this device's contribution computed then), and only
+    then computes on its current chunk. The next device holds that chunk at step ``t`` and receives its
+    accumulator during the step. After the last step one more hop brings every accumulator home.
+    """
     me = jax.lax.axis_index(axis)
     mine = chunks_of_device(me, plan.n, plan.load_balance)
     q_chunks, out_chunks, lse_chunks, do_chunks = (_chunks(x, plan) for x in (q, out, lse[..., None], do))
 
     def visit(dq, k, v, step):
+        """This step's dQ (added to ``dq``) and this device's contribution to the held chunk's dK, dV."""
         theirs = chunks_of_device((me - step) % plan.n, plan.n, plan.load_balance)
         dq, dk, dv = list(dq), [], []
         for b, k_b, v_b in zip(theirs, _chunks(k, plan), _chunks(v, plan), strict=True):
@@ -296,20 +305,31 @@ def _backward_ring(q, k, v, out, lse, do, plan: RingPlan, worker: Worker, axis: 
                 dq[i], dk_b, dv_b = dq[i] + grads[0], dk_b + grads[1], dv_b + grads[2]
             dk.append(dk_b)
             dv.append(dv_b)
-        return tuple(dq), jnp.concatenate(dk, axis=2), jnp.concatenate(dv, axis=2)
+        return tuple(dq), (jnp.concatenate(dk, axis=2), jnp.concatenate(dv, axis=2))
+
+    def add(a, b):
+        return a[0] + b[0], a[1] + b[1]
 
     def step(carry, s):
-        dq, k, v, dk, dv = carry
-        k_next, v_next = _pass_on((k, v), axis, plan.n)
-        dq, dk_here, dv_here = visit(dq, k, v, s)
-        dk, dv = _pass_on((dk + dk_here, dv + dv_here), axis, plan.n)  # the accumulators follow their chunk
-        return (dq, k_next, v_next, dk, dv), None
+        dq, kv, acc, contribution = carry  # acc: what arrived for the chunk held last step; contribution: ours
+        kv_next = _pass_on(kv, axis, plan.n)  # both transfers issued before the kernels; neither waits on them
+        acc = _pass_on(add(acc, contribution), axis, plan.n)
+        dq, contribution = visit(dq, *kv, s)
+        return (dq, kv_next, acc, contribution), None
 
     dq0 = tuple(jnp.zeros(x.shape, jnp.float32) for x in q_chunks)
-    init = (dq0, k, v, jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
-    (dq, k, v, dk, dv), _ = jax.lax.scan(step, init, jnp.arange(plan.n - 1))
-    dq, dk_here, dv_here = visit(dq, k, v, plan.n - 1)
-    dk, dv = _pass_on((dk + dk_here, dv + dv_here), axis, plan.n)  # the last hop: home
+    zero = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+    kv = _pass_on((k, v), axis, plan.n) if plan.n > 1 else (k, v)  # step 0: no accumulator to pass yet
+    dq, contribution = visit(dq0, k, v, 0)
+    carry = (dq, kv, zero, contribution)
+    if plan.n > 1:
+        carry, _ = jax.lax.scan(step, carry, jnp.arange(1, plan.n - 1))  # steps 1 .. n-2
+        dq, kv, acc, contribution = carry
+        acc = _pass_on(add(acc, contribution), axis, plan.n)  # the last step: no k/v left to send
+        dq, contribution = visit(dq, *kv, plan.n - 1)
+        carry = (dq, kv, acc, contribution)
+    dq, _, acc, contribution = carry
+    dk, dv = _pass_on(add(acc, contribution), axis, plan.n)  # the last hop: home
     return jnp.concatenate(dq, axis=2), dk, dv
 
 
