@@ -43,11 +43,12 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from flashlib.api import validate_inputs
+from flashlib.hardware import CHIPS, TpuChip
 from flashlib.reference import SoftmaxState, default_scale, merge_states, state_output
 from flashlib.ring_workers import Worker, make_worker
 from flashlib.sharded import axis_size, check_divides, check_mesh_axis, place
 
-__all__ = ["LOAD_BALANCES", "RingPlan", "chunks_of_device", "ring_attention", "ring_schedule"]
+__all__ = ["LOAD_BALANCES", "RingPlan", "chunks_of_device", "ring_attention", "ring_schedule", "transfer_vs_compute"]
 
 LOAD_BALANCES = (None, "zigzag")
 SKIP, FULL, DIAGONAL, PARTIAL = 0, 1, 2, 3  # what one (query chunk, key chunk) pair asks of the worker
@@ -122,6 +123,28 @@ def ring_schedule(n: int, *, causal: bool = True, load_balance: str | None = "zi
                     work[step, device] += {SKIP: 0, FULL: c * keys, PARTIAL: c * keys, DIAGONAL: c * (c + 1) // 2}[kind]
     total, critical = int(work.sum()), int(work.max(axis=1).sum())
     return {"work": work, "total": total, "critical_path": critical, "imbalance": critical * n / max(total, 1)}
+
+
+def transfer_vs_compute(chip: TpuChip | str, *, chunk: int, heads: int, kv_heads: int | None = None,
+                        head_dim: int = 128, bytes_per_element: int = 2) -> dict[str, float]:
+    """One ring step's transfer against its compute, on ``chip`` at its peaks (a roofline, not a timing).
+
+    Per chunk pair: the forward's two matmuls are ``4 chunk^2 heads head_dim`` FLOPs at the chip's bf16 peak;
+    the next k and v chunks, ``2 chunk kv_heads head_dim bytes_per_element`` bytes, cross one ICI link in one
+    direction (:attr:`~flashlib.hardware.TpuChip.ici_link_bandwidth`). The transfer hides behind the compute
+    when ``ratio = transfer / compute <= 1``, i.e. for chunks of at least ``break_even_chunk`` tokens: the
+    compute grows with ``chunk^2``, the transfer with ``chunk``.
+    """
+    chip = CHIPS[chip] if isinstance(chip, str) else chip
+    if chip.ici_link_bandwidth is None:
+        raise ValueError(f"no ICI figures recorded for {chip.name}; choose one of "
+                         f"{[c.name for c in CHIPS.values() if c.ici_link_bandwidth]}")
+    kv_heads = heads if kv_heads is None else kv_heads
+    compute = 4 * chunk * chunk * heads * head_dim / chip.peak_bf16_flops  # s
+    transfer = 2 * chunk * kv_heads * head_dim * bytes_per_element / chip.ici_link_bandwidth  # s
+    break_even = 2 * kv_heads * bytes_per_element * chip.peak_bf16_flops / (4 * heads * chip.ici_link_bandwidth)
+    return {"compute_seconds": compute, "transfer_seconds": transfer, "ratio": transfer / compute,
+            "break_even_chunk": break_even}
 
 
 def ring_attention(

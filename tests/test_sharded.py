@@ -120,3 +120,23 @@ def test_the_ring_order_round_trips(load_balance):
 def test_bad_load_balance_is_refused():
     with pytest.raises(ValueError, match="load_balance must be one of"):
         ring_schedule(4, load_balance="striped")
+
+
+def test_ici_figures_and_the_transfer_compute_balance():
+    """v5e: 400 GB/s over 4 ports -> 50 GB/s per link and direction; a 1024-token bf16 chunk pair of 8 heads of
+    128 computes in 4 * 1024^2 * 8 * 128 / 197e12 s and its k/v (2 * 1024 * 8 * 128 * 2 bytes) cross in 84 us."""
+    from flashlib.hardware import CHIPS
+    from flashlib.ring import transfer_vs_compute
+
+    assert CHIPS["v5e"].ici_link_bandwidth == 50e9
+    assert CHIPS["v6e"].ici_link_bandwidth == 100e9
+    assert CHIPS["v4"].ici_link_bandwidth is None
+    v5e = transfer_vs_compute("v5e", chunk=1024, heads=8)
+    assert v5e["compute_seconds"] == pytest.approx(4 * 1024**2 * 8 * 128 / 197e12)
+    assert v5e["transfer_seconds"] == pytest.approx(2 * 1024 * 8 * 128 * 2 / 50e9)
+    assert v5e["break_even_chunk"] == pytest.approx(3940.0)
+    at_break_even = transfer_vs_compute("v5e", chunk=3940, heads=8)
+    assert at_break_even["ratio"] == pytest.approx(1.0)
+    assert transfer_vs_compute("v5e", chunk=1024, heads=8, kv_heads=1)["ratio"] == pytest.approx(v5e["ratio"] / 8)
+    with pytest.raises(ValueError, match="no ICI figures recorded for v4"):
+        transfer_vs_compute("v4", chunk=1024, heads=8)
