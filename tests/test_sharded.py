@@ -140,3 +140,19 @@ def test_ici_figures_and_the_transfer_compute_balance():
     assert transfer_vs_compute("v5e", chunk=1024, heads=8, kv_heads=1)["ratio"] == pytest.approx(v5e["ratio"] / 8)
     with pytest.raises(ValueError, match="no ICI figures recorded for v4"):
         transfer_vs_compute("v4", chunk=1024, heads=8)
+
+
+@pytest.mark.usefixtures("no_open_figures")
+def test_the_pictures_draw_what_they_are_given():
+    from flashlib import viz
+    from flashlib.ring import chunks_of_device
+
+    mesh = viz.plot_mesh([["a", "b"], ["c", "d"]], ("data", "model"), title="t")
+    assert sorted(t.get_text() for t in mesh.axes[0].texts) == ["a", "b", "c", "d"]
+    work = ring_schedule(4, load_balance=None)["work"]
+    heat = viz.plot_ring_work(work, vmax=float(work.max()))
+    assert len(heat.axes[0].patches) == 4  # one outline per step
+    step = viz.plot_ring_step(1, [chunks_of_device(i, 4, None) for i in range(4)],
+                              [chunks_of_device((i - 1) % 4, 4, None) for i in range(4)], work[1],
+                              full_work=float(work.max()))
+    assert [t.get_text().split("\n")[2] for t in step.axes[0].texts] == ["kv 3", "kv 0", "kv 1", "kv 2"]
