@@ -57,7 +57,7 @@ def test_ring_gradient_compiles_for_a_v5e_2x2_slice():
           f"{result.cost.get('optimal_seconds', float('nan')) * 1e6:.0f} us, compiled in {result.seconds:.1f} s")
 
 
-@pytest.mark.parametrize("topology", ["v6e:2x2", "v5p:2x2x1"])
+@pytest.mark.parametrize("topology", ["v6e:2x2"])  # v5p:2x2x1 passes too (measured); left out for CI time
 def test_ring_forward_compiles_for_other_slices(topology):
     mesh = slice_mesh(topology, ("seq",))
     x = jax.ShapeDtypeStruct(SHAPE, jnp.bfloat16)
