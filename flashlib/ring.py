@@ -35,117 +35,30 @@ known when tracing), and wholly padded key chunks are skipped. Padded queries ar
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from flashlib.api import validate_inputs
-from flashlib.hardware import CHIPS, TpuChip
 from flashlib.reference import SoftmaxState, default_scale, merge_states, state_output
+from flashlib.ring_plan import (
+    DIAGONAL,
+    FULL,
+    LOAD_BALANCES,
+    PARTIAL,
+    SKIP,
+    RingPlan,
+    chunks_of_device,
+    ring_schedule,
+    transfer_vs_compute,
+)
 from flashlib.ring_workers import Worker, make_worker
 from flashlib.sharded import axis_size, check_divides, check_mesh_axis, place
 
-__all__ = ["LOAD_BALANCES", "RingPlan", "chunks_of_device", "ring_attention", "ring_schedule", "transfer_vs_compute"]
-
-LOAD_BALANCES = (None, "zigzag")
-SKIP, FULL, DIAGONAL, PARTIAL = 0, 1, 2, 3  # what one (query chunk, key chunk) pair asks of the worker
-
-
-def chunks_of_device(device: Any, n: int, load_balance: str | None) -> tuple[Any, ...]:
-    """The global chunk indices device ``device`` of ``n`` holds (ints, or traced ints inside the ring)."""
-    return (device,) if load_balance is None else (device, 2 * n - 1 - device)
-
-
-class RingPlan(NamedTuple):
-    """The static layout of one ring call."""
-
-    n: int  # devices on the ring
-    chunks_per_device: int  # 1 (contiguous) or 2 (zigzag)
-    chunk: int  # tokens per chunk
-    length: int  # the real sequence length (the rest of n * chunks_per_device * chunk is padding)
-    causal: bool
-    load_balance: str | None
-
-    @staticmethod
-    def make(length: int, n: int, causal: bool, load_balance: str | None) -> RingPlan:
-        per_device = 1 if load_balance is None else 2
-        chunk = -(-length // (n * per_device))  # ceil
-        return RingPlan(n, per_device, chunk, length, bool(causal), load_balance)
-
-    @property
-    def padded_length(self) -> int:
-        return self.n * self.chunks_per_device * self.chunk
-
-    @property
-    def partial_keys(self) -> int:
-        """The real keys in the one partly padded chunk (0 if the length divides evenly)."""
-        return self.length % self.chunk if self.padded_length != self.length else 0
-
-    def kind(self, a: Any, b: Any) -> Any:
-        """What query chunk ``a`` asks of key chunk ``b`` (SKIP, FULL, DIAGONAL, PARTIAL); works on ints and
-        on traced ints."""
-        xp = np if isinstance(a, (int, np.integer)) and isinstance(b, (int, np.integer)) else jnp
-        real = xp.clip(self.length - b * self.chunk, 0, self.chunk)  # real keys in chunk b
-        q_real = xp.clip(self.length - a * self.chunk, 0, self.chunk)
-        visible = xp.where(real == self.chunk, FULL, PARTIAL)
-        if self.causal:
-            visible = xp.where(b == a, DIAGONAL, xp.where(b < a, visible, SKIP))
-        return xp.where((real == 0) | (q_real == 0), SKIP, visible)
-
-    def ring_order(self) -> np.ndarray:
-        """The global chunk indices in device order: device ``i``'s contiguous block of the reordered
-        sequence is its chunks (for zigzag ``[0, 2n-1, 1, 2n-2, ...]``)."""
-        return np.array([c for i in range(self.n) for c in chunks_of_device(i, self.n, self.load_balance)])
-
-
-def ring_schedule(n: int, *, causal: bool = True, load_balance: str | None = "zigzag", length: int | None = None
-                  ) -> dict[str, Any]:
-    """Count the work of each device at each ring step: visible ``(query, key)`` score elements.
-
-    Returns ``{"work": [steps, devices] array, "total", "critical_path", "imbalance"}``: the ring's time is
-    the sum over steps of the busiest device's work (``critical_path``), and ``imbalance`` is that over the
-    ideal ``total / n`` (1.0: perfectly balanced). ``length`` defaults to ``64 n`` tokens.
-    """
-    if load_balance not in LOAD_BALANCES:
-        raise ValueError(f"load_balance must be one of {LOAD_BALANCES}, got {load_balance!r}")
-    plan = RingPlan.make(64 * n if length is None else length, n, causal, load_balance)
-    c, work = plan.chunk, np.zeros((n, n), np.int64)
-    for step in range(n):
-        for device in range(n):
-            source = (device - step) % n
-            for a in chunks_of_device(device, n, load_balance):
-                for b in chunks_of_device(source, n, load_balance):
-                    kind = int(plan.kind(a, b))
-                    keys = c if kind != PARTIAL else plan.partial_keys
-                    work[step, device] += {SKIP: 0, FULL: c * keys, PARTIAL: c * keys, DIAGONAL: c * (c + 1) // 2}[kind]
-    total, critical = int(work.sum()), int(work.max(axis=1).sum())
-    return {"work": work, "total": total, "critical_path": critical, "imbalance": critical * n / max(total, 1)}
-
-
-def transfer_vs_compute(chip: TpuChip | str, *, chunk: int, heads: int, kv_heads: int | None = None,
-                        head_dim: int = 128, bytes_per_element: int = 2) -> dict[str, float]:
-    """One ring step's transfer against its compute, on ``chip`` at its peaks (a roofline, not a timing).
-
-    Per chunk pair: the forward's two matmuls are ``4 chunk^2 heads head_dim`` FLOPs at the chip's bf16 peak;
-    the next k and v chunks, ``2 chunk kv_heads head_dim bytes_per_element`` bytes, cross one ICI link in one
-    direction (:attr:`~flashlib.hardware.TpuChip.ici_link_bandwidth`). The transfer hides behind the compute
-    when ``ratio = transfer / compute <= 1``, i.e. for chunks of at least ``break_even_chunk`` tokens: the
-    compute grows with ``chunk^2``, the transfer with ``chunk``.
-    """
-    chip = CHIPS[chip] if isinstance(chip, str) else chip
-    if chip.ici_link_bandwidth is None:
-        raise ValueError(f"no ICI figures recorded for {chip.name}; choose one of "
-                         f"{[c.name for c in CHIPS.values() if c.ici_link_bandwidth]}")
-    kv_heads = heads if kv_heads is None else kv_heads
-    compute = 4 * chunk * chunk * heads * head_dim / chip.peak_bf16_flops  # s
-    transfer = 2 * chunk * kv_heads * head_dim * bytes_per_element / chip.ici_link_bandwidth  # s
-    break_even = 2 * kv_heads * bytes_per_element * chip.peak_bf16_flops / (4 * heads * chip.ici_link_bandwidth)
-    return {"compute_seconds": compute, "transfer_seconds": transfer, "ratio": transfer / compute,
-            "break_even_chunk": break_even}
-
+__all__ = ["DIAGONAL", "FULL", "LOAD_BALANCES", "PARTIAL", "SKIP", "RingPlan", "chunks_of_device", "from_ring_order",
+           "ring_attention", "ring_schedule", "to_ring_order", "transfer_vs_compute"]
 
 def ring_attention(
     q: jax.Array,
@@ -160,6 +73,7 @@ def ring_attention(
     scale: float | None = None,
     impl: str = "blockwise",
     load_balance: str | None = "zigzag",
+    in_ring_order: bool = False,
     **options: Any,
 ) -> jax.Array:
     """Self-attention with the sequence split over ``seq_axis`` of ``mesh`` (and optionally batch and heads).
@@ -174,7 +88,10 @@ def ring_attention(
       impl: the per-chunk worker, ``"blockwise"``, ``"pallas"`` or ``"reference"``; options go to it
         (``block_q``/``block_k``; ``block_sizes``/``interpret``).
       load_balance: ``"zigzag"`` (2n chunks; device i holds chunks i and 2n-1-i) or None (contiguous).
-        The reordering happens around the ring here; a model would keep its activations in ring order.
+        The reordering happens around the ring here (on a mesh, XLA moves data for it: collective-permutes).
+      in_ring_order: q, k, v are already in ring order (:func:`to_ring_order`; the sequence a multiple of the
+        chunk count), and so is the output: no reordering and no padding around the ring, so a model that
+        keeps its activations in ring order pays only the ring's own transfers.
 
     Returns:
       ``out [batch, heads, seq, v_head_dim]`` in q's dtype, differentiable in q, k, v (first order).
@@ -195,6 +112,9 @@ def ring_attention(
     scale = default_scale(shape.head_dim) if scale is None else float(scale)
     worker = make_worker(impl, scale, dict(options))
     plan = RingPlan.make(shape.q_len, axis_size(mesh, seq_axis), causal, load_balance)
+    if in_ring_order and plan.padded_length != shape.q_len:
+        raise ValueError(f"in_ring_order=True needs the sequence ({shape.q_len}) to be a multiple of the chunk count "
+                         f"{plan.n * plan.chunks_per_device}; pad it (or pass in_ring_order=False: padded for you)")
 
     def to_ring(x):  # [b, h, L, d] -> [b, h, padded L, d], chunks in device order
         x = jnp.pad(x, ((0, 0), (0, 0), (0, plan.padded_length - x.shape[2]), (0, 0)))
@@ -205,10 +125,31 @@ def ring_attention(
     def body(q, k, v):
         return _ring(q, k, v, plan, worker, seq_axis)
 
-    out = jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, check_vma=False)(
-        *(place(to_ring(x), mesh, spec) for x in (q, k, v)))
+    run = jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, check_vma=False)
+    if in_ring_order:
+        return run(*(place(x, mesh, spec) for x in (q, k, v)))
+    out = run(*(place(to_ring(x), mesh, spec) for x in (q, k, v)))
     out = place(out, mesh, PartitionSpec(batch_axis, head_axis))  # Explicit axes: whole sequence, to reorder
     return _reorder(out, plan, to_ring=False)[:, :, :shape.q_len]
+
+
+def to_ring_order(x: jax.Array, *, n: int, load_balance: str | None = "zigzag") -> jax.Array:
+    """``x [b, h, L, d]`` (``L`` a multiple of the chunk count) with its sequence in the ring's device order:
+    device ``i``'s contiguous block is its chunks (zig-zag: ``i`` and ``2n - 1 - i``)."""
+    return _reorder(x, _plan_for(x, n, load_balance), to_ring=True)
+
+
+def from_ring_order(x: jax.Array, *, n: int, load_balance: str | None = "zigzag") -> jax.Array:
+    """The inverse of :func:`to_ring_order`."""
+    return _reorder(x, _plan_for(x, n, load_balance), to_ring=False)
+
+
+def _plan_for(x: jax.Array, n: int, load_balance: str | None) -> RingPlan:
+    plan = RingPlan.make(x.shape[2], n, True, load_balance)
+    if plan.padded_length != x.shape[2]:
+        raise ValueError(f"the sequence ({x.shape[2]}) must be a multiple of the chunk count "
+                         f"{n * plan.chunks_per_device} to be put in ring order; pad it first")
+    return plan
 
 
 def _reorder(x: jax.Array, plan: RingPlan, *, to_ring: bool) -> jax.Array:

@@ -28,7 +28,7 @@ from jax.sharding import Mesh  # noqa: E402
 from peers import rules  # noqa: E402
 
 from flashlib.reference import attention_oracle, attention_vjp_oracle  # noqa: E402
-from flashlib.ring import ring_attention  # noqa: E402
+from flashlib.ring import from_ring_order, ring_attention, to_ring_order  # noqa: E402
 from flashlib.sharded import sharded_attention  # noqa: E402
 
 # id: (function, mesh shape (split axis "x", ring axis "seq"), which q/k/v dimension "x" splits, impl, options,
@@ -51,6 +51,8 @@ CASES = {
                                               1, 4, 2, 64, 32),
     "ring-pallas-1x8-full-contiguous-uneven-bf16": ("ring", (1, 8), "batch", "pallas", PALLAS, False, None,
                                                     "bfloat16", 1, 2, 2, 60, 32),
+    "ring-in-order-blockwise-2x4-causal-zigzag": ("ring", (2, 4), "heads", "blockwise", {}, True, "zigzag",
+                                                  "float32", 1, 4, 4, 64, 16),
     "sharded-blockwise-2x4-causal-gqa": ("sharded", (2, 4), "batch", "blockwise", {}, True, None, "float32",
                                          2, 8, 4, 40, 16),
     "sharded-pallas-4x2-full-bf16": ("sharded", (4, 2), "batch", "pallas", PALLAS, False, None, "bfloat16",
@@ -63,10 +65,21 @@ def mesh_of(shape: tuple[int, int]) -> Mesh:
     return jax.make_mesh(shape, ("x", "seq"))
 
 
-def attention_fn(case):
+def attention_fn(case_id: str):
+    case = CASES[case_id]
     kind, mesh_shape, x_splits, impl, options, causal, load_balance = case[:7]
     mesh = mesh_of(mesh_shape)
     axes = {"batch_axis": "x"} if x_splits == "batch" else {"head_axis": "x"}
+    if kind == "ring" and "in-order" in case_id:  # the caller keeps q, k, v and out in ring order
+        n = mesh.shape["seq"]
+
+        def in_order(q, k, v):
+            q, k, v = (to_ring_order(x, n=n, load_balance=load_balance) for x in (q, k, v))
+            out = ring_attention(q, k, v, mesh=mesh, seq_axis="seq", causal=causal, impl=impl,
+                                 load_balance=load_balance, in_ring_order=True, **axes, **options)
+            return from_ring_order(out, n=n, load_balance=load_balance)
+
+        return in_order
     if kind == "ring":
         return lambda q, k, v: ring_attention(q, k, v, mesh=mesh, seq_axis="seq", causal=causal, impl=impl,
                                               load_balance=load_balance, **axes, **options)
@@ -81,7 +94,7 @@ def run_case(case_id: str) -> dict:
                                       kv_len=seq, head_dim=head_dim, dtype=dtype)
     k, v = k[:, :kv_heads], v[:, :kv_heads]
     start = time.perf_counter()
-    values = jax.jit(rules.output_and_grads, static_argnums=0)(attention_fn(case), q, k, v, do)
+    values = jax.jit(rules.output_and_grads, static_argnums=0)(attention_fn(case_id), q, k, v, do)
     seconds = time.perf_counter() - start
     oracle = [attention_oracle(q, k, v, causal=causal), *attention_vjp_oracle(q, k, v, do, causal=causal)]
 
@@ -115,6 +128,9 @@ def bad_inputs() -> dict:
         "ring-load-balance": lambda: ring_attention(q, q, q, mesh=mesh24, seq_axis="seq", load_balance="striped"),
         "ring-impl": lambda: ring_attention(q, q, q, mesh=mesh24, seq_axis="seq", impl="xla"),
         "ring-option": lambda: ring_attention(q, q, q, mesh=mesh24, seq_axis="seq", impl="blockwise", interpret=True),
+        "ring-in-order-uneven": lambda: ring_attention(jnp.zeros((2, 4, 15, 8)), jnp.zeros((2, 4, 15, 8)),
+                                                       jnp.zeros((2, 4, 15, 8)), mesh=mesh24, seq_axis="seq",
+                                                       in_ring_order=True),
         "ring-not-a-mesh": lambda: ring_attention(q, q, q, mesh="2x4", seq_axis="seq"),
         "sharded-kv-heads": lambda: sharded_attention(q, kv2, kv2, mesh=mesh24, head_axis="seq"),
         "sharded-batch": lambda: sharded_attention(jnp.zeros((3, 4, 16, 8)), jnp.zeros((3, 4, 16, 8)),

@@ -32,7 +32,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (  # bottom up
         "flashlib.kernels", "flashlib.kernels.*",
     )),
     ("beyond one chip: batch/head sharding and ring attention on JAX's SPMD (shard_map, ppermute)", (
-        "flashlib.sharded", "flashlib.ring_workers", "flashlib.ring",
+        "flashlib.sharded", "flashlib.ring_plan", "flashlib.ring_workers", "flashlib.ring",
     )),
     ("the public surface", ("flashlib",)),
     ("measurement: static estimates, the performance lab's tables", ("flashlib.estimate", "flashlib.perf_data")),

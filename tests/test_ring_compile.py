@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
+from jax.sharding import PartitionSpec
 
 from flashlib.ring import ring_attention
 from flashlib.slice_compile import collective_counts, compile_for_slice, overlaps, slice_mesh
@@ -21,10 +22,10 @@ pytestmark = pytest.mark.tpu
 SHAPE = (1, 8, 4096, 128)
 
 
-def ring_program(mesh, *, grad: bool):
+def ring_program(mesh, *, grad: bool, in_ring_order: bool = False):
     def forward(q, k, v):
         return ring_attention(q, k, v, mesh=mesh, seq_axis="seq", causal=True, impl="pallas", interpret=False,
-                              load_balance="zigzag")
+                              load_balance="zigzag", in_ring_order=in_ring_order)
 
     if not grad:
         return forward
@@ -65,3 +66,15 @@ def test_ring_forward_compiles_for_other_slices(topology):
     loops = ring_loop_overlaps(result.hlo_text)
     assert len(loops) == 2 and all(o.kernels_between >= 2 for o in loops), [(o.start, o.kernels_between) for o in loops]
     assert collective_counts(result.hlo_text)["all-reduce"] == 0
+
+
+def test_in_ring_order_the_ring_is_the_only_communication():
+    """With q, k, v already sharded in ring order the program's only collectives are the ring's: the forward's
+    loop sends k and v (the last step sends nothing); the reordering's permutes are gone."""
+    mesh = slice_mesh("v5e:2x2", ("seq",))
+    x = jax.ShapeDtypeStruct(SHAPE, jnp.bfloat16)
+    result = compile_for_slice(ring_program(mesh, grad=False, in_ring_order=True), mesh, x, x, x,
+                               spec=PartitionSpec(None, None, "seq"))
+    assert collective_counts(result.hlo_text) == {"collective-permute": 2, "all-gather": 0, "all-reduce": 0,
+                                                  "reduce-scatter": 0, "all-to-all": 0}
+    assert all(o.kernels_between == 4 for o in ring_loop_overlaps(result.hlo_text))

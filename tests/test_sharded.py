@@ -20,7 +20,17 @@ import pytest
 from peers import rules
 from sharded_checks import CASES
 
-from flashlib.ring import DIAGONAL, FULL, PARTIAL, SKIP, RingPlan, _reorder, ring_schedule
+from flashlib.ring import (
+    DIAGONAL,
+    FULL,
+    PARTIAL,
+    SKIP,
+    RingPlan,
+    _reorder,
+    from_ring_order,
+    ring_schedule,
+    to_ring_order,
+)
 
 SCRIPT = Path(__file__).with_name("sharded_checks.py")
 # f32: the naive same-dtype errors are a few roundings (~3e-7), and merging 2n partial states adds a few more
@@ -60,6 +70,7 @@ BAD_INPUTS = {
     "ring-impl": ("impl='xla'", "'blockwise'"),
     "ring-option": ("interpret", "block_q, block_k"),
     "ring-not-a-mesh": ("mesh must be a jax.sharding.Mesh", "jax.make_mesh"),
+    "ring-in-order-uneven": ("in_ring_order=True", "multiple of the chunk count 8"),
     "sharded-kv-heads": ("kv_heads", "divides 2"),
     "sharded-batch": ("batch = 3", "divides 3"),
     "sharded-same-axis": ("batch_axis and head_axis", "different"),
@@ -115,6 +126,15 @@ def test_the_ring_order_round_trips(load_balance):
     ring = _reorder(x, plan, to_ring=True)
     assert ring[0, 0, :, 0].reshape(-1, plan.chunk)[:, 0].tolist() == [c * plan.chunk for c in plan.ring_order()]
     assert np.array_equal(_reorder(ring, plan, to_ring=False), x)
+
+
+def test_ring_order_helpers_match_the_plan():
+    x = jnp.arange(16.0).reshape(1, 1, 16, 1)  # 4 devices, zig-zag: 8 chunks of 2
+    ring = to_ring_order(x, n=4)
+    assert ring[0, 0, ::2, 0].tolist() == [0.0, 14.0, 2.0, 12.0, 4.0, 10.0, 6.0, 8.0]
+    assert np.array_equal(from_ring_order(ring, n=4), x)
+    with pytest.raises(ValueError, match="multiple of the chunk count 8"):
+        to_ring_order(jnp.zeros((1, 1, 12, 1)), n=4)
 
 
 def test_bad_load_balance_is_refused():
