@@ -17,6 +17,10 @@ Modules, one concept each, in layers (a module imports only from its layer or be
   ``checks``, ``cost``;
 * the Pallas backend — ``kernels`` (``tuned_table``, ``block_sizes``, ``options``, ``candidates``, ``scores``,
   ``tpu_forward``, ``backward_kernels``, ``tpu_backward``, ``attention``);
+* beyond one chip — ``sharded`` (batch/head sharding of any impl with ``shard_map``), ``ring_plan`` (the
+  ring's layout, schedule and cost), ``ring_workers`` and ``ring`` (ring attention over a sequence axis:
+  ``ppermute``, the merge identity, zig-zag load balance), ``slice_compile`` (in the ground layer: compile for
+  a multi-chip TPU slice, read its collectives);
 * this package (the public surface);
 * measurement — ``estimate``, ``perf_data``;
 * top — ``tuning``, ``bench``, ``perf_plots``, ``widgets`` (``viz`` and ``widgets`` need the notebook extras,
@@ -25,7 +29,7 @@ Modules, one concept each, in layers (a module imports only from its layer or be
 """
 
 # Importing the stage modules registers them with the entry point.
-from flashlib import blockwise, checks, data, env, kernels, reference, release, tpu_compile, xla
+from flashlib import blockwise, checks, data, env, kernels, reference, release, ring, sharded, tpu_compile, xla
 from flashlib.api import AttentionShape, attention, get_implementation, implementations, validate_inputs
 from flashlib.kernels import BlockSizes
 
@@ -44,6 +48,8 @@ __all__ = [
     "kernels",
     "reference",
     "release",
+    "ring",
+    "sharded",
     "tpu_compile",
     "validate_inputs",
     "xla",

@@ -18,6 +18,9 @@ Sources, cited per figure below:
   .../v6e, .../tpu7x ("[cloud]").
 * jax's hardware table ``jax._src.tpu_info`` (jax 0.12), rendered at
   https://docs.jax.dev/en/latest/pallas/tpu/hardware.html ("[tpu_info]"; figures there are per TensorCore).
+* Inter-chip interconnect (ICI): the same Cloud TPU pages' "Bidirectional inter-chip interconnect (ICI)
+  bandwidth (per chip)" and "ICI ports per chip" rows, read 2026-12 ("[cloud]"); not looked up for v4 and
+  TPU7x (None).
 * Measured here with libtpu 0.0.50.1 ("[measured]"): the scoped-VMEM limit from the compiler's own
   "Scoped allocation with size 32.00M and limit 16.00M" message, the static estimate by trying it.
 """
@@ -52,6 +55,9 @@ class TpuChip:
       topology: the smallest topology name for an ahead-of-time compile (:func:`flashlib.tpu_compile.tpu_topology`).
       static_estimate: whether libtpu's static cycle estimate (:mod:`flashlib.estimate`) covers this chip.
       clock_note: why the derived clock is not to be trusted, when it is not.
+      ici_bandwidth: bidirectional inter-chip interconnect bandwidth of the chip, all ports together, bytes/s
+        (None: not recorded).
+      ici_ports: ICI links per chip (None: not recorded).
     """
 
     name: str
@@ -67,6 +73,16 @@ class TpuChip:
     topology: str
     static_estimate: bool
     clock_note: str = ""
+    ici_bandwidth: float | None = None
+    ici_ports: int | None = None
+
+    @property
+    def ici_link_bandwidth(self) -> float | None:
+        """One ICI link, one direction, bytes/s: ``ici_bandwidth / (2 x ici_ports)`` (derived; what one hop of a
+        ring, device i -> i + 1, can use)."""
+        if self.ici_bandwidth is None or self.ici_ports is None:
+            return None
+        return self.ici_bandwidth / (2 * self.ici_ports)
 
     @property
     def mxus(self) -> int:
@@ -134,6 +150,8 @@ CHIPS: dict[str, TpuChip] = {
         scoped_vmem_bytes=16 * MIB,  # [measured] "Scoped allocation with size 32.00M and limit 16.00M"
         topology="v5e:1x1",
         static_estimate=True,  # [measured] libtpu 0.0.50.1
+        ici_bandwidth=400e9,  # [cloud v5e] "Bidirectional inter-chip interconnect (ICI) bandwidth (per chip) 400 GBps"
+        ici_ports=4,  # [cloud v5e] "ICI ports per chip 4" (a 2D torus)
     ),  # derived clock: 197e12 / (4 x 128^2 x 2) = 1.50 GHz
     "v5p": TpuChip(
         name="v5p",
@@ -148,6 +166,9 @@ CHIPS: dict[str, TpuChip] = {
         scoped_vmem_bytes=16 * MIB,  # [measured] "Scoped allocation with size 32.00M and limit 16.00M"
         topology="v5p:1x1x1",
         static_estimate=True,  # [measured] libtpu 0.0.50.1
+        # [cloud v5p] "Bidirectional inter-chip interconnect (ICI) bandwidth per chip (GBps) 1200"
+        ici_bandwidth=1200e9,
+        ici_ports=6,  # derived: the page lists no port count; "Interconnect topology 3D torus": 6 neighbours
     ),  # derived clock: 459e12 / (8 x 128^2 x 2) = 1.75 GHz
     "v6e": TpuChip(
         name="v6e",
@@ -164,6 +185,8 @@ CHIPS: dict[str, TpuChip] = {
         scoped_vmem_bytes=32 * MIB,  # [measured] "Scoped allocation with size 37.50M and limit 32.00M"
         topology="v6e:1x1",
         static_estimate=True,  # [measured] libtpu 0.0.50.1
+        ici_bandwidth=800e9,  # [cloud v6e] "Bidirectional inter-chip interconnect (ICI) bandwidth (per chip) 800 GBps"
+        ici_ports=4,  # [cloud v6e] "ICI ports per chip 4" (a 2D torus)
         clock_note=_FAST_CLOCK.format(918e12 / (2 * 256 * 256 * 2) / 1e9),
     ),  # derived clock: 918e12 / (2 x 256^2 x 2) = 3.50 GHz (implausible, see clock_note)
     "tpu7x": TpuChip(

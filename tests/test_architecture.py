@@ -22,7 +22,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (  # bottom up
         "flashlib._compat", "flashlib.env", "flashlib.hardware", "flashlib.tiling", "flashlib.geometry",
         "flashlib.masks",
         "flashlib.api", "flashlib.data", "flashlib.release", "flashlib.progress", "flashlib.provenance",
-        "flashlib.llo_dump", "flashlib.tpu_compile", "flashlib.viz", "flashlib.viz.*",
+        "flashlib.llo_dump", "flashlib.tpu_compile", "flashlib.slice_compile", "flashlib.viz", "flashlib.viz.*",
     )),
     ("algorithms: the oracle, the pure-JAX stages, the checks, the cost model", (
         "flashlib.reference", "flashlib.blockwise_backward", "flashlib.blockwise", "flashlib.xla", "flashlib.checks",
@@ -30,6 +30,9 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (  # bottom up
     )),
     ("the Pallas backend: tuned-table reader, block sizes, options, kernels", (
         "flashlib.kernels", "flashlib.kernels.*",
+    )),
+    ("beyond one chip: batch/head sharding and ring attention on JAX's SPMD (shard_map, ppermute)", (
+        "flashlib.sharded", "flashlib.ring_plan", "flashlib.ring_workers", "flashlib.ring",
     )),
     ("the public surface", ("flashlib",)),
     ("measurement: static estimates, the performance lab's tables", ("flashlib.estimate", "flashlib.perf_data")),
@@ -161,7 +164,7 @@ def test_a_planted_upward_import_or_cycle_is_caught():
     planted = imports_in("def default():\n    from flashlib import tuning\n    return tuning.lookup\n")
     assert planted == {"flashlib.tuning"}
     graph = {**GRAPH, "flashlib.kernels.block_sizes": GRAPH["flashlib.kernels.block_sizes"] | planted}
-    assert _upward(graph) == ["flashlib.kernels.block_sizes (layer 2) imports flashlib.tuning (layer 5)"]
+    assert _upward(graph) == ["flashlib.kernels.block_sizes (layer 2) imports flashlib.tuning (layer 6)"]
     pair = {**GRAPH, "flashlib.blockwise_backward": GRAPH["flashlib.blockwise_backward"] | {"flashlib.blockwise"}}
     assert _cycles(pair) == [["flashlib.blockwise", "flashlib.blockwise_backward"]]
 

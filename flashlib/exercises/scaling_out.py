@@ -1,0 +1,132 @@
+"""Notebook 11's puzzle and exercise checker.
+
+Puzzle: :data:`RING_STEP`, one step of ring attention on one device: fold the attention of its queries over
+the key/value chunk that just arrived into the running ``(out, lse)`` (notebook 03's merge, written for
+normalised outputs and log-sum-exps). Exercise: the causal imbalance of a ring with contiguous chunks, as a
+formula in the ring size (:func:`check_contiguous_imbalance`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from flashlib.checks import CheckFailed
+from flashlib.exercises.puzzle import Puzzle
+from flashlib.reference import attention_oracle
+from flashlib.ring import ring_schedule
+
+__all__ = ["RING_STEP", "check_contiguous_imbalance", "check_ring_step", "ring_step_solution", "run_ring"]
+
+
+def ring_step_solution(out, lse, q, k, v, scale):
+    """``(out, lse)`` after folding in one chunk: q [c, d], k [r, d], v [r, dv]; out [c, dv], lse [c]."""
+    s = (q @ k.T) * scale  # [c, r] this chunk's scores
+    lse_chunk = jnp.log(jnp.sum(jnp.exp(s - s.max(axis=-1, keepdims=True)), axis=-1)) + s.max(axis=-1)  # [c]
+    out_chunk = jnp.exp(s - lse_chunk[:, None]) @ v  # [c, dv] attention over this chunk alone
+    lse_new = jnp.logaddexp(lse, lse_chunk)  # log(e^lse + e^lse_chunk): the denominators add up
+    out_new = jnp.exp(lse - lse_new)[:, None] * out + jnp.exp(lse_chunk - lse_new)[:, None] * out_chunk
+    return out_new, lse_new
+
+
+def run_ring(ring_step: Callable, q, k, v, devices: int) -> np.ndarray:
+    """Non-causal ring attention of ``q, k, v [seq, d]`` simulated on ``devices`` devices, one Python loop per
+    step: device ``i`` keeps query chunk ``i`` and at step ``s`` holds key/value chunk ``(i - s) mod devices``."""
+    q_chunks, k_chunks, v_chunks = (np.split(np.asarray(x, np.float32), devices) for x in (q, k, v))
+    scale = 1.0 / np.sqrt(q.shape[-1])
+    outs = []
+    for device in range(devices):
+        out = jnp.zeros((q_chunks[device].shape[0], v.shape[-1]), jnp.float32)
+        lse = jnp.full(q_chunks[device].shape[0], -jnp.inf, jnp.float32)  # nothing seen yet
+        for step in range(devices):
+            source = (device - step) % devices
+            out, lse = ring_step(out, lse, jnp.asarray(q_chunks[device]), jnp.asarray(k_chunks[source]),
+                                 jnp.asarray(v_chunks[source]), scale)
+        outs.append(np.asarray(out, np.float64))
+    return np.concatenate(outs)
+
+
+def _fail(case: str, why: str) -> CheckFailed:
+    return CheckFailed(f"failed: ring_step, case '{case}' — {why}")
+
+
+def check_ring_step(ring_step: Callable) -> None:
+    """``ring_step(out, lse, q, k, v, scale) -> (out, lse)`` from an empty state, against a chunk with larger and
+    one with smaller scores, and as a whole 4-device ring, against the float64 oracle."""
+    rng = np.random.default_rng(11)
+    c, d = 8, 16
+    q = jnp.asarray(rng.normal(size=(c, d)), jnp.float32)
+    k_low = jnp.asarray(rng.normal(size=(c, d)), jnp.float32)
+    k_high = jnp.asarray(rng.normal(size=(c, d)) * 4.0, jnp.float32)  # scores several times larger
+    v_low, v_high = (jnp.asarray(rng.normal(size=(c, d)), jnp.float32) for _ in range(2))
+    scale = 1.0 / np.sqrt(d)
+    empty = (jnp.zeros((c, d), jnp.float32), jnp.full(c, -jnp.inf, jnp.float32))
+
+    def oracle(k, v):
+        return attention_oracle(np.asarray(q)[None, None], np.asarray(k)[None, None], np.asarray(v)[None, None],
+                                scale=scale)[0, 0]
+
+    def lse_oracle(k):
+        s = np.asarray(q, np.float64) @ np.asarray(k, np.float64).T * scale
+        return np.log(np.exp(s - s.max(-1, keepdims=True)).sum(-1)) + s.max(-1)
+
+    out, lse = (np.asarray(x, np.float64) for x in ring_step(*empty, q, k_low, v_low, scale))
+    if np.isnan(out).any() or np.isnan(lse).any():
+        raise _fail("the first chunk, from the empty state (out = 0, lse = -inf)", "NaN in the result: the empty "
+                    "state's weight exp(lse - lse_new) must come out 0, so combine the log-sum-exps with "
+                    "jnp.logaddexp (not by subtracting -inf from -inf)")
+    if not np.allclose(lse, lse_oracle(k_low), atol=1e-4):
+        raise _fail("the first chunk, from the empty state", "lse is not log(sum(exp(scores))) of the chunk: "
+                    "it must be the log of the softmax denominator, not the maximum score")
+    if not np.allclose(out, oracle(k_low, v_low), atol=1e-4):
+        raise _fail("the first chunk, from the empty state", "out is not attention over the chunk: out must be "
+                    "normalised, exp(s - lse) @ v (the state of notebook 03 divided by l)")
+    both_k, both_v = jnp.concatenate([k_low, k_high]), jnp.concatenate([v_low, v_high])
+    for case, first, second in (("a chunk with larger scores arrives second", "low", "high"),
+                                ("a chunk with smaller scores arrives second", "high", "low")):
+        ks = {"low": (k_low, v_low), "high": (k_high, v_high)}
+        state = ring_step(*empty, q, *ks[first], scale)
+        out, lse = (np.asarray(x, np.float64) for x in ring_step(*state, q, *ks[second], scale))
+        if not np.allclose(lse, lse_oracle(both_k), atol=1e-4):
+            raise _fail(case, "lse is not the log-sum-exp over both chunks: the denominators add, "
+                        "lse_new = log(e^lse + e^lse_chunk) = jnp.logaddexp(lse, lse_chunk) (not a maximum)")
+        if not np.allclose(out, oracle(both_k, both_v), atol=1e-4):
+            raise _fail(case, "out is not attention over both chunks: each side is normalised over its own keys, "
+                        "so weigh it by its share of the new denominator, exp(lse_side - lse_new), then add")
+    seq = 32
+    q_seq, k_seq, v_seq = (jnp.asarray(rng.normal(size=(seq, d)), jnp.float32) for _ in range(3))
+    got = run_ring(ring_step, q_seq, k_seq, v_seq, devices=4)
+    want = attention_oracle(*(np.asarray(x)[None, None] for x in (q_seq, k_seq, v_seq)))[0, 0]
+    if not np.allclose(got, want, atol=1e-4):
+        raise _fail("a 4-device ring over 32 tokens", f"max error {np.max(np.abs(got - want)):.3g} against the "
+                    "oracle")
+    print("passed: ring_step merges chunks in either order, from the empty state, and runs a 4-device ring exactly")
+
+
+RING_STEP = Puzzle("puzzle: one ring step", check_ring_step, ring_step_solution, (
+    "First compute the chunk on its own: scores `s = q @ k.T * scale`, their log-sum-exp per row "
+    "`lse_chunk` (subtract the row max before `exp`, add it back after the `log`), and the chunk's normalised "
+    "output `out_chunk = exp(s - lse_chunk[:, None]) @ v`.",
+    "The two sides' denominators add: `lse_new = jnp.logaddexp(lse, lse_chunk)` (which also handles the empty "
+    "state, `lse = -inf`). Each side's output is normalised over its own keys, so it counts with its share of "
+    "the new denominator: `out_new = exp(lse - lse_new)[:, None] * out + exp(lse_chunk - lse_new)[:, None] * "
+    "out_chunk`. This is notebook 03's merge with `m = lse`, `l = 1`, `acc = out`.",
+))
+
+
+def check_contiguous_imbalance(imbalance: Callable[[int], Any]) -> None:
+    """``imbalance(n)``: the causal ring's time over the ideal with contiguous chunks on ``n`` devices, for long
+    chunks (a diagonal chunk pair counts half), against :func:`flashlib.ring.ring_schedule`'s count."""
+    for n in (1, 2, 3, 4, 8, 16):
+        counted = ring_schedule(n, causal=True, load_balance=None, length=4096 * n)["imbalance"]
+        got = float(imbalance(n))
+        if not np.isclose(got, counted, rtol=2e-3):
+            raise CheckFailed(
+                f"failed: contiguous imbalance, n = {n} — got {got:.4f}, the schedule counts {counted:.4f}. Each "
+                "step lasts as long as its busiest device: step 0 is every device's diagonal (half a chunk pair), "
+                "each later step has some device with a whole pair; the total work is n^2 / 2 pairs, so the ideal "
+                "time is n / 2")
+    print("passed: contiguous_imbalance(n) matches the counted schedule for n = 1, 2, 3, 4, 8, 16")

@@ -1,0 +1,97 @@
+"""Notebook 11's puzzle and exercise checker, run three ways: on the notebook's stub (not attempted, no
+traceback), on plausible wrong answers (each fails with the message that points at its mistake) and on a
+solution (it passes)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import pytest
+
+from flashlib.checks import CheckFailed, exercise
+from flashlib.exercises import scaling_out as nb11
+
+
+def _stub(*args, **kwargs):
+    raise NotImplementedError
+
+
+# -- 11 puzzle: one ring step ---------------------------------------------------------------------------
+
+
+def _chunk(q, k, v, scale):
+    s = (q @ k.T) * scale
+    lse = jnp.log(jnp.sum(jnp.exp(s - s.max(-1, keepdims=True)), -1)) + s.max(-1)
+    return jnp.exp(s - lse[:, None]) @ v, lse
+
+
+def ring_step_adds_outputs(out, lse, q, k, v, scale):  # forgets that each side is normalised over its own keys
+    out_c, lse_c = _chunk(q, k, v, scale)
+    return out + out_c, jnp.logaddexp(lse, lse_c)
+
+
+def ring_step_max_lse(out, lse, q, k, v, scale):  # keeps the larger log-sum-exp instead of adding denominators
+    out_c, lse_c = _chunk(q, k, v, scale)
+    new = jnp.maximum(lse, lse_c)
+    return jnp.exp(lse - new)[:, None] * out + jnp.exp(lse_c - new)[:, None] * out_c, new
+
+
+def ring_step_max_score(out, lse, q, k, v, scale):  # carries the maximum score where the lse belongs
+    s = (q @ k.T) * scale
+    out_c = jnp.exp(s - s.max(-1, keepdims=True)) / jnp.exp(s - s.max(-1, keepdims=True)).sum(-1, keepdims=True) @ v
+    return out_c, s.max(-1)
+
+
+def ring_step_unnormalised(out, lse, q, k, v, scale):  # the chunk's exp(s) @ v, never divided
+    s = (q @ k.T) * scale
+    lse_c = jnp.log(jnp.sum(jnp.exp(s), -1))
+    new = jnp.logaddexp(lse, lse_c)
+    return jnp.exp(lse - new)[:, None] * out + jnp.exp(s) @ v, new
+
+
+def ring_step_nan(out, lse, q, k, v, scale):  # log(exp(lse) + exp(lse_c)) by hand, against the larger side
+    out_c, lse_c = _chunk(q, k, v, scale)
+    top = jnp.maximum(lse, lse_c)
+    new = top + jnp.log(jnp.exp(lse - top) + jnp.exp(lse_c - top)) * jnp.where(jnp.isfinite(lse), 1.0, jnp.nan)
+    return jnp.exp(lse - new)[:, None] * out + jnp.exp(lse_c - new)[:, None] * out_c, new
+
+
+def test_ring_step_stub_is_not_attempted(capsys):
+    nb11.RING_STEP.use(_stub)
+    assert "not attempted yet" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("wrong, message", [
+    (ring_step_adds_outputs, "weigh it by its share of the new denominator"),
+    (ring_step_max_lse, "the denominators add"),
+    (ring_step_max_score, "not the maximum score"),
+    (ring_step_unnormalised, "out must be normalised"),
+    (ring_step_nan, "NaN in the result"),
+])
+def test_ring_step_wrong_answers_fail_with_their_mistake(wrong, message):
+    with pytest.raises(CheckFailed, match=message):
+        nb11.check_ring_step(wrong)
+
+
+def test_ring_step_solution_passes(capsys):
+    nb11.check_ring_step(nb11.ring_step_solution)
+    assert "passed: ring_step" in capsys.readouterr().out
+    assert nb11.RING_STEP.use(nb11.ring_step_solution) is nb11.ring_step_solution
+
+
+# -- 11 exercise: the contiguous ring's imbalance -------------------------------------------------------
+
+
+def test_imbalance_stub_is_not_attempted(capsys):
+    exercise("exercise 1", lambda: _stub, nb11.check_contiguous_imbalance)
+    assert "not attempted yet" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("wrong", [lambda n: 2.0, lambda n: n / 2, lambda n: (n + 1) / n])
+def test_imbalance_wrong_answers_fail(wrong):
+    with pytest.raises(CheckFailed, match="the schedule counts"):
+        nb11.check_contiguous_imbalance(wrong)
+
+
+def test_imbalance_solution_passes(capsys):
+    nb11.check_contiguous_imbalance(lambda n: 2 - 1 / n)
+    assert "passed: contiguous_imbalance" in capsys.readouterr().out

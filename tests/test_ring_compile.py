@@ -1,0 +1,80 @@
+"""Ring attention compiled ahead of time for real multi-chip TPU slices (libtpu, no TPU): the collectives
+the compiler emitted, and what it scheduled while each transfer is in flight.
+
+The ring's step issues the ``ppermute`` of the next key/value chunk before the Pallas kernels of the current
+one; whether they overlap is the compiler's decision, read here from the compiled (scheduled) HLO.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import PartitionSpec
+
+from flashlib.ring import ring_attention
+from flashlib.slice_compile import collective_counts, compile_for_slice, overlaps, slice_mesh
+
+pytestmark = pytest.mark.tpu
+# [batch, heads, seq, head_dim]: 1024 tokens per chip, zigzag chunks of 512. The schedule depends on the sizes:
+# at [1, 4, 2048, 128] the v6e and v5p compilers finish each transfer before the kernels (measured: 0 kernels
+# in flight), at this size they keep it in flight across 2 of the step's 4 kernel calls; v5e across all 4.
+SHAPE = (1, 8, 4096, 128)
+
+
+def ring_program(mesh, *, grad: bool, in_ring_order: bool = False):
+    def forward(q, k, v):
+        return ring_attention(q, k, v, mesh=mesh, seq_axis="seq", causal=True, impl="pallas", interpret=False,
+                              load_balance="zigzag", in_ring_order=in_ring_order)
+
+    if not grad:
+        return forward
+    return jax.grad(lambda q, k, v: jnp.sum(forward(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2))
+
+
+def ring_loop_overlaps(hlo_text: str):
+    """The collective-permutes inside loop bodies (the ring's steps), not the reordering around the ring."""
+    return [o for o in overlaps(hlo_text) if not o.computation.startswith("main")]
+
+
+def test_ring_gradient_compiles_for_a_v5e_2x2_slice():
+    """Forward and backward ring on 4 v5e chips: every transfer is a collective-permute (no all-reduce or
+    all-to-all anywhere), async, and in flight while the step's kernels run."""
+    mesh = slice_mesh("v5e:2x2", ("seq",))
+    x = jax.ShapeDtypeStruct(SHAPE, jnp.bfloat16)
+    result = compile_for_slice(ring_program(mesh, grad=True), mesh, x, x, x)
+    counts = collective_counts(result.hlo_text)
+    assert result.chips == 4 and counts["collective-permute"] > 0, counts
+    assert counts["all-reduce"] == 0 and counts["all-to-all"] == 0, counts
+    loops = ring_loop_overlaps(result.hlo_text)
+    # forward step: k, v (bf16 chunks); backward step: k, v and the f32 dK/dV accumulators
+    assert len(loops) == 6, loops
+    # every one of them in flight across the step's four kernel calls (before the accumulators were sent one
+    # step behind their chunk, the backward's four transfers started only after the kernels: 0 in flight)
+    assert all(o.kernels_between == 4 for o in loops), [(o.start, o.kernels_between) for o in loops]
+    assert result.cost.get("flops", 0) > 0
+    print(f"v5e:2x2 ring fwd+bwd: {counts}; overlaps in the ring loops: "
+          f"{[(o.start, o.kernels_between) for o in loops]}; libtpu estimate "
+          f"{result.cost.get('optimal_seconds', float('nan')) * 1e6:.0f} us, compiled in {result.seconds:.1f} s")
+
+
+@pytest.mark.parametrize("topology", ["v6e:2x2"])  # v5p:2x2x1 passes too (measured); left out for CI time
+def test_ring_forward_compiles_for_other_slices(topology):
+    mesh = slice_mesh(topology, ("seq",))
+    x = jax.ShapeDtypeStruct(SHAPE, jnp.bfloat16)
+    result = compile_for_slice(ring_program(mesh, grad=False), mesh, x, x, x)
+    loops = ring_loop_overlaps(result.hlo_text)
+    assert len(loops) == 2 and all(o.kernels_between >= 2 for o in loops), [(o.start, o.kernels_between) for o in loops]
+    assert collective_counts(result.hlo_text)["all-reduce"] == 0
+
+
+def test_in_ring_order_the_ring_is_the_only_communication():
+    """With q, k, v already sharded in ring order the program's only collectives are the ring's: the forward's
+    loop sends k and v (the last step sends nothing); the reordering's permutes are gone."""
+    mesh = slice_mesh("v5e:2x2", ("seq",))
+    x = jax.ShapeDtypeStruct(SHAPE, jnp.bfloat16)
+    result = compile_for_slice(ring_program(mesh, grad=False, in_ring_order=True), mesh, x, x, x,
+                               spec=PartitionSpec(None, None, "seq"))
+    assert collective_counts(result.hlo_text) == {"collective-permute": 2, "all-gather": 0, "all-reduce": 0,
+                                                  "reduce-scatter": 0, "all-to-all": 0}
+    assert all(o.kernels_between == 4 for o in ring_loop_overlaps(result.hlo_text))
