@@ -316,10 +316,7 @@ def test_bad_variants_name_the_argument(kwargs, message):
         flashlib.attention(q, k, v, impl="reference", **kwargs)
 
 
-@pytest.mark.parametrize("impl, kwargs, feature", [
-    ("pallas", {"dv": 3}, "a value head_dim different"),
-    ("pallas", {"window": (2, 0)}, "a sliding window"),
-    ("pallas", {"segment_ids": (np.zeros((2, 5), int), np.zeros((2, 7), int))}, "packed sequences"),
+@pytest.mark.parametrize("impl, kwargs, feature", [  # (impl="pallas" runs every variant: test_pallas_variants.py)
     ("xla", {"softcap": 5.0}, "logit soft-capping"),
     ("xla", {"sinks": np.zeros(4, np.float32)}, "attention sinks"),
     ("xla", {"dv": 3}, "a value head_dim different"),
@@ -328,7 +325,7 @@ def test_an_impl_without_a_variant_says_which_impl_has_it(impl, kwargs, feature)
     dv = kwargs.pop("dv", 8)
     q, k, v = _qkv(kv_heads=4 if kwargs or impl == "xla" else 2, dv=dv)
     with pytest.raises(ValueError, match=rf"impl='{impl}' does not support {feature}.*\(yet\); use impl='reference' or "
-                                         "'blockwise'"):
+                                         "'blockwise' or 'pallas'"):
         flashlib.attention(q, k, v, impl=impl, **kwargs)
 
 
