@@ -204,7 +204,10 @@ def live_steps(num_outer: int, *, outer_block: int, inner_block: int, num_inner:
                causal: bool, window=None, keys_inner: bool = True) -> int:
     """The inner grid axis a kernel needs when it walks each outer block's :func:`live_range` from its
     ``first`` block: the longest range. With a two-sided window this stays constant as the sequences grow
-    (the cost is linear in length); with causal alone or no mask it is every inner block."""
+    (the cost is linear in length); with causal alone or no mask it is every inner block (the kernels do not
+    compact then: :func:`compacts`)."""
+    if not compacts(causal, window):
+        return num_inner
     first, last = live_range(np.arange(num_outer), outer_block=outer_block, inner_block=inner_block,
                              num_inner=num_inner, q_len=q_len, kv_len=kv_len, causal=causal, window=window,
                              keys_inner=keys_inner)

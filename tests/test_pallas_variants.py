@@ -63,9 +63,14 @@ def test_block_geometry_follows_the_element_rule(q_len, kv_len, block_q, block_k
             if tile.any():
                 assert first[i] <= j <= last[i], ("a visible key block outside the query block's live range", i, j)
                 assert first_t[j] <= i <= last_t[j], ("a visible query block outside the key block's live range", i, j)
-    steps = geometry.live_steps(num_q, outer_block=block_q, inner_block=block_k, num_inner=num_k, q_len=q_len,
-                                kv_len=kv_len, causal=causal, window=window)
-    assert steps == int(np.max(last - first + 1)) <= num_k
+    compacted = geometry.compacts(causal, window)
+    for outer, inner, num_outer, num_inner, (lo, hi), keys_inner in (
+            (block_q, block_k, num_q, num_k, (first, last), True),
+            (block_k, block_q, num_k, num_q, (first_t, last_t), False)):
+        steps = geometry.live_steps(num_outer, outer_block=outer, inner_block=inner, num_inner=num_inner, q_len=q_len,
+                                    kv_len=kv_len, causal=causal, window=window, keys_inner=keys_inner)
+        # compacted, a grid walks each live range from its first block; else every inner block from block 0
+        assert steps == (int(np.max(hi - lo + 1)) if compacted else num_inner) <= num_inner
 
 
 def test_a_two_sided_window_walks_a_constant_number_of_key_steps():
