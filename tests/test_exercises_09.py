@@ -4,11 +4,15 @@ and the solution (it passes)."""
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
+from jax.experimental import pallas as pl
 
 from flashlib.checks import CheckFailed, exercise
 from flashlib.exercises import variants as nb09
+from flashlib.exercises.variants_solutions import NT_DIMS
 
 
 def _stub(*args, **kwargs):
@@ -155,3 +159,65 @@ def test_sink_weight_wrong_answers_fail_with_their_hint(wrong, message):
 def test_sink_weight_solution_passes(capsys):
     nb09.check_sink_weight(nb09.sink_weight_solution)
     assert capsys.readouterr().out.startswith("passed: sink_weight on all 4 rows")
+
+
+# -- puzzle 3: a soft-cap and a sink in the kernel --------------------------------------------------------------------
+def _variants_kernel(*, init="sink", cap="after scale", finalize="plain"):
+    """The forward kernel with a soft-cap and a sink, one mistake switched on (the defaults make it right)."""
+    def kernel(q_ref, k_ref, v_ref, sink_ref, o_ref, m_ref, l_ref, acc_ref, *, scale, **params):
+        c = params["cap"]
+        j, last = pl.program_id(3), pl.num_programs(3) - 1
+
+        @pl.when(j == 0)
+        def _():
+            if init == "sink":
+                m_ref[...] = jnp.broadcast_to(sink_ref[...], m_ref.shape)
+                l_ref[...] = jnp.ones(l_ref.shape, jnp.float32)
+            elif init == "plain":
+                m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+                l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+            elif init == "l only":  # l = 1 with m = -inf: the sink's term is rescaled away by alpha = 0
+                m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+                l_ref[...] = jnp.ones(l_ref.shape, jnp.float32)
+            acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+        raw = lax.dot_general(q_ref[...], k_ref[...], NT_DIMS, preferred_element_type=jnp.float32)
+        s = {"after scale": c * jnp.tanh(raw * scale / c), "before scale": c * jnp.tanh(raw / c) * scale,
+             "none": raw * scale}[cap]
+        m_prev = m_ref[...]
+        m_next = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
+        alpha, p = jnp.exp(m_prev - m_next), jnp.exp(s - m_next)
+        m_ref[...] = m_next
+        l_ref[...] = alpha * l_ref[...] + p.sum(axis=1, keepdims=True)
+        acc_ref[...] = alpha * acc_ref[...] + jnp.dot(p, v_ref[...], preferred_element_type=jnp.float32)
+
+        @pl.when(j == last)
+        def _():
+            extra = {"plain": 0.0, "shifted sink": jnp.exp(sink_ref[...] - m_ref[...]),
+                     "unshifted sink": jnp.exp(sink_ref[...])}[finalize]
+            o_ref[...] = (acc_ref[...] / (l_ref[...] + extra)).astype(o_ref.dtype)
+    return kernel
+
+
+def test_kernel_variants_stub_falls_back_to_the_solution(capsys):
+    assert nb09.KERNEL_VARIANTS.use(_stub) is nb09.flash_kernel_variants_solution
+    assert "not attempted yet" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("wrong, message", [
+    (_variants_kernel(init="plain"), "the sink never joins the denominator"),
+    (_variants_kernel(init="l only"), "the sink never joins the denominator"),
+    (_variants_kernel(init="plain", finalize="unshifted sink"), "shifted like the keys': exp\\(sink - m\\)"),
+    (_variants_kernel(cap="none"), "the scores are not capped"),
+    (_variants_kernel(cap="before scale"), "cap the scaled scores"),
+    (_variants_kernel(init="none"), "NaN or inf in the output: start m at the sink"),
+], ids=["no sink", "l = 1 with m = -inf", "unshifted sink", "no cap", "cap before scale", "no init"])
+def test_kernel_variants_wrong_answers_fail_with_their_hint(wrong, message):
+    with pytest.raises(CheckFailed, match=message):
+        nb09.check_kernel_variants(wrong)
+
+
+def test_kernel_variants_solution_and_a_sink_at_finalize_pass(capsys):
+    nb09.check_kernel_variants(nb09.flash_kernel_variants_solution)
+    assert capsys.readouterr().out.startswith("passed: kernel with a soft-cap and a sink matches the float64 oracle")
+    nb09.check_kernel_variants(_variants_kernel(init="plain", finalize="shifted sink"))

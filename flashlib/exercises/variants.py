@@ -1,6 +1,7 @@
 """Notebook 09's puzzles and exercises: the attention variants' element rule (window + causal + segments,
 bottom-right aligned), a block's kind under a window (skip / mask / plain, as the kernels' ``pl.when`` guards
-decide), and the checkers of exercises 1-2 (a window's compacted grid and its copies; the weight a sink takes).
+decide), notebook 06's forward kernel with a soft-cap and a sink (run by :func:`variants_call`), and the
+checkers of exercises 1-2 (a window's compacted grid and its copies; the weight a sink takes).
 
 The checkers judge the learner against the library's own rules — :mod:`flashlib.masks` for elements,
 :mod:`flashlib.geometry` for blocks — on many cases (``q_len != kv_len`` both ways, rows that see no key,
@@ -9,16 +10,27 @@ matches a known wrong rule."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
-from flashlib import geometry, viz
-from flashlib.checks import CheckFailed
+from flashlib import env, geometry, viz
+from flashlib.checks import CheckFailed, check_attention
 from flashlib.exercises.puzzle import Puzzle
-from flashlib.exercises.variants_solutions import block_kind_solution, sink_weight_solution, visible_solution
+from flashlib.exercises.variants_solutions import (
+    block_kind_solution,
+    flash_kernel_variants_solution,
+    sink_weight_solution,
+    visible_solution,
+)
 
-__all__ = ["BLOCK_KIND", "VISIBLE", "check_block_kind", "check_sink_weight", "check_visible", "check_window_grid"]
+__all__ = ["BLOCK_KIND", "KERNEL_VARIANTS", "VISIBLE", "check_block_kind", "check_kernel_variants",
+           "check_sink_weight", "check_visible", "check_window_grid", "variants_call"]
 
 
 # -- puzzle 1: the element rule ---------------------------------------------------------------------------------
@@ -196,7 +208,7 @@ def check_block_kind(block_kind: Callable) -> None:
 
 
 BLOCK_KIND = Puzzle(
-    "puzzle 2: a block's kind under a window",
+    "puzzle 3: a block's kind under a window",
     check_block_kind,
     block_kind_solution,
     (
@@ -207,6 +219,100 @@ BLOCK_KIND = Puzzle(
         "first_row + offset - left` (the first row reaches furthest left). Otherwise mask if `last_key >= "
         "kv_len` (padding), `last_key > first_row + offset + right` or `first_key < last_row + offset - left`; "
         "else plain. Skip any test whose side is `None`.",
+    ),
+)
+
+
+# -- puzzle 3: a soft-cap and a sink in the kernel ----------------------------------------------------------------
+def variants_call(kernel, q, k, v, sinks, *, cap: float, block_q: int = 64, block_k: int = 128, interpret=None):
+    """Notebook 06's ``flash_call`` with one more input: ``sinks [heads]`` as a ``(1, 1)`` block per head (the
+    head's sink logit). ``kernel(q_ref, k_ref, v_ref, sink_ref, o_ref, m_ref, l_ref, acc_ref, *, scale, cap)``;
+    lengths multiples of the blocks, no mask. ``interpret``: TPU interpret mode off a TPU (the default)."""
+    batch, heads, q_len, head_dim = q.shape
+    interpret = (pltpu.InterpretParams() if env.interpret_default() else False) if interpret is None else interpret
+    q_spec = pl.BlockSpec((pl.squeezed, pl.squeezed, block_q, head_dim), lambda b, h, i, j: (b, h, i, 0))
+    kv_spec = pl.BlockSpec((pl.squeezed, pl.squeezed, block_k, head_dim), lambda b, h, i, j: (b, h, j, 0))
+    sink_spec = pl.BlockSpec((pl.squeezed, 1, 1), lambda b, h, i, j: (h, 0, 0))
+    return pl.pallas_call(
+        functools.partial(kernel, scale=head_dim**-0.5, cap=cap),
+        grid=(batch, heads, q_len // block_q, k.shape[2] // block_k),
+        in_specs=[q_spec, kv_spec, kv_spec, sink_spec], out_specs=q_spec,
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        scratch_shapes=[pltpu.VMEM((block_q, 1), jnp.float32)] * 2 + [pltpu.VMEM((block_q, head_dim), jnp.float32)],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+        interpret=interpret,
+    )(q, k, v, jnp.asarray(sinks, jnp.float32).reshape(heads, 1, 1))
+
+
+_KERNEL_CASES = [  # (words, seed, q_len, kv_len, hot, sinks, cap)
+    ("scores up to about +-40, cap 5, sinks [0, 3], two key blocks", 0, 128, 256, 6.0, (0.0, 3.0), 5.0),
+    ("cap 30, sinks [8, -2] (head 0's sink outweighs most keys), three key blocks", 1, 128, 384, 3.0, (8.0, -2.0),
+     30.0),
+]
+
+
+def _kernel_qkv(seed: int, q_len: int, kv_len: int, hot: float):
+    rng = np.random.default_rng(seed)
+    shapes = [(1, 2, q_len, 32), (1, 2, kv_len, 32), (1, 2, kv_len, 32)]
+    q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.float32) for shape in shapes)
+    return hot * q, k, v
+
+
+def _variant_out(q, k, v, sinks, cap, *, capped="after scale", sink="denominator") -> np.ndarray:
+    """Float64 attention with a soft-cap and sinks, or with one of the mistakes the checker names."""
+    q64, k64, v64 = (np.asarray(x, np.float64) for x in (q, k, v))
+    s = np.einsum("bhqd,bhkd->bhqk", q64, k64) * q.shape[-1] ** -0.5
+    if capped == "after scale":
+        s = cap * np.tanh(s / cap)
+    elif capped == "before scale":
+        s = cap * np.tanh(s / q.shape[-1] ** -0.5 / cap) * q.shape[-1] ** -0.5
+    z = np.asarray(sinks, np.float64)[None, :, None, None]
+    m = np.maximum(s.max(axis=-1, keepdims=True), z if sink == "denominator" else -np.inf)
+    p = np.exp(s - m)
+    extra = {"denominator": np.exp(z - m), "none": 0.0, "unshifted": np.exp(z)}[sink]
+    return np.einsum("bhqk,bhkd->bhqd", p, v64) / (p.sum(axis=-1, keepdims=True) + extra)
+
+
+def check_kernel_variants(kernel: Callable) -> None:
+    """``kernel(q_ref, k_ref, v_ref, sink_ref, o_ref, m_ref, l_ref, acc_ref, *, scale, cap)`` under
+    :func:`variants_call` against the float64 oracle with ``softcap=cap, sinks=sinks``."""
+    for words, seed, q_len, kv_len, hot, sinks, cap in _KERNEL_CASES:
+        q, k, v = _kernel_qkv(seed, q_len, kv_len, hot)
+        out = variants_call(kernel, q, k, v, sinks, cap=cap, interpret=pltpu.InterpretParams())
+        try:
+            check_attention(out, q, k, v, softcap=cap, sinks=jnp.asarray(sinks), quiet=True)
+            continue
+        except CheckFailed:
+            pass
+        got = np.asarray(out, np.float64)
+        if not np.isfinite(got).all():
+            raise CheckFailed(f"failed: kernel with variants, case '{words}' — NaN or inf in the output: start m at "
+                              "the sink's logit and l at 1 (exp(sink - m) = 1), acc at 0, on the first key block")
+        for mistake, hint in [
+            (dict(sink="none"), "the sink never joins the denominator: start the running state at it — m = sink, "
+                                "l = 1 (its exp(sink - m)), acc = 0 (it carries no value)"),
+            (dict(sink="unshifted"), "the sink's term must be shifted like the keys': exp(sink - m), not exp(sink)"),
+            (dict(capped="none"), "the scores are not capped: s = cap * tanh(s / cap), before the running max"),
+            (dict(capped="before scale"), "cap the scaled scores: cap * tanh((q k^T * scale) / cap)"),
+        ]:
+            if np.abs(got - _variant_out(q, k, v, sinks, cap, **mistake)).max() <= 1e-4:
+                raise CheckFailed(f"failed: kernel with variants, case '{words}' — {hint}")
+        raise CheckFailed(f"failed: kernel with variants, case '{words}' — not softmax attention with a soft-cap and "
+                          "a sink: start from notebook 06's flash_kernel and change init and the scores only")
+    print(f"passed: kernel with a soft-cap and a sink matches the float64 oracle in all {len(_KERNEL_CASES)} cases")
+
+
+KERNEL_VARIANTS = Puzzle(
+    "puzzle 2: a soft-cap and a sink in the kernel",
+    check_kernel_variants,
+    flash_kernel_variants_solution,
+    (
+        "Two changes to notebook 06's `flash_kernel`. The soft-cap is one line after the scale: `s = cap * "
+        "jnp.tanh(s / cap)`, before the running max. The sink changes only init: it is a key of value zero that "
+        "every row has already seen when the first key block arrives.",
+        "Seen first, the sink makes the state `m = sink`, `l = exp(sink - m) = 1`, `acc = 0`: under "
+        "`pl.when(kv_block == 0)` write `m_ref[...] = jnp.broadcast_to(sink_ref[...], m_ref.shape)`, `l_ref[...] "
+        "= jnp.ones(l_ref.shape, jnp.float32)` and zeros to `acc_ref`. The body and finalize stay as they were.",
     ),
 )
 
