@@ -27,8 +27,8 @@ from matplotlib.figure import Figure
 from flashlib import perf_plots, viz
 from flashlib.tuning import TableKey, TuningResult
 
-__all__ = ["SEGMENT_PATTERNS", "block_size_explorer", "explorer_box", "mask_designer", "online_softmax_explorer",
-           "segment_pattern", "step_through", "tiling_explorer"]
+__all__ = ["SEGMENT_PATTERNS", "block_size_explorer", "design_segments", "draw_mask_design", "explorer_box",
+           "mask_designer", "online_softmax_explorer", "segment_pattern", "step_through", "tiling_explorer"]
 
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 
@@ -217,7 +217,7 @@ def block_size_explorer(table: Mapping[TableKey, TuningResult], *, figsize: tupl
 
 
 SEGMENT_PATTERNS: tuple[str, ...] = ("none", "2 equal", "3 uneven", "4 short")
-"""The segment layouts :func:`mask_designer` offers (packed sequences of these lengths, queries and keys alike)."""
+"""The segment layouts :func:`mask_designer` offers: one packed row cut in these proportions."""
 
 
 def segment_pattern(name: str, length: int) -> list[int] | None:
@@ -229,12 +229,22 @@ def segment_pattern(name: str, length: int) -> list[int] | None:
     return [n for n in range(len(shares)) for _ in range(bounds[n], bounds[n + 1])]
 
 
+def design_segments(name: str, q_len: int, kv_len: int) -> dict:
+    """``q_segments`` and ``kv_segments`` for pattern ``name`` over one packed row of ``max(q_len, kv_len)``
+    tokens, bottom-right aligned like the masks: the queries are the row's last ``q_len`` tokens, the keys its
+    last ``kv_len`` (both ``None`` for ``"none"``)."""
+    row = segment_pattern(name, max(q_len, kv_len))
+    if row is None:
+        return dict(q_segments=None, kv_segments=None)
+    return dict(q_segments=row[len(row) - q_len:], kv_segments=row[len(row) - kv_len:])
+
+
 def draw_mask_design(q_len: int, kv_len: int, block_q: int, block_k: int, causal: bool, left, right,
                      segments: str, figsize: tuple[float, float] = (11.0, 4.2)) -> Figure:
     """Three panels for one mask: the element visibility with the block grid, each block's kind
     (:func:`flashlib.viz.block_plan`), and the key block each grid step fetches (the copies issued)."""
     window = None if left is None and right is None else (left, right)
-    ids = dict(q_segments=segment_pattern(segments, q_len), kv_segments=segment_pattern(segments, kv_len))
+    ids = design_segments(segments, q_len, kv_len)
     fig = viz.new_figure(figsize)
     axes = fig.subplots(1, 3, width_ratios=[1.0, 1.0, 1.0])
     visible = viz.visibility(q_len, kv_len, causal=causal, window=window, **ids)

@@ -29,9 +29,7 @@ DESIGNS = [  # q_len, kv_len, block_q, block_k, causal, window, segments pattern
 
 
 def _design(q_len, kv_len, block_q, block_k, causal, window, segments):
-    ids = dict(q_segments=widgets.segment_pattern(segments, q_len), kv_segments=widgets.segment_pattern(segments,
-                                                                                                       kv_len))
-    return dict(causal=causal, window=window, **ids)
+    return dict(causal=causal, window=window, **widgets.design_segments(segments, q_len, kv_len))
 
 
 @pytest.mark.parametrize("design", DESIGNS)
@@ -98,6 +96,9 @@ def test_segment_patterns_cover_the_length():
             ids = widgets.segment_pattern(name, length)
             assert len(ids) == length and ids == sorted(ids) and ids[0] == 0
     assert widgets.segment_pattern("none", 8) is None
+    ids = widgets.design_segments("2 equal", 4, 8)  # the queries are the packed row's last 4 tokens
+    assert ids == dict(q_segments=[1, 1, 1, 1], kv_segments=[0, 0, 0, 0, 1, 1, 1, 1])
+    assert widgets.design_segments("2 equal", 6, 2) == dict(q_segments=[0, 0, 0, 1, 1, 1], kv_segments=[1, 1])
 
 
 def test_mask_designer_redraws_and_carries_a_still_picture(shown):
