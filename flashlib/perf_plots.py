@@ -9,7 +9,9 @@ the same. The tables it comes from:
   ``flash_attention`` as the yardstick;
 * ``data/estimates/block_sweep.csv`` and ``seq_sweep.csv`` (``make_perf_lab_estimates.py``): block sizes
   down to 128, and XLA / flashlib / JAX across sequence lengths, with the compiler's FLOP and byte counts;
-* ``data/optimisation/forward_steps.csv`` and ``backward_steps.csv``: the kernels' optimisation, step by step.
+* ``data/optimisation/forward_steps.csv`` and ``backward_steps.csv``: the kernels' optimisation, step by step;
+* ``data/estimates/variants_v5e.csv`` (``make_variant_estimates.py``, notebook 09): GQA/MQA and a sliding
+  window.
 
 Like :mod:`flashlib.viz`, each ``plot_*`` function takes data and an optional ``ax`` and returns the figure.
 """
@@ -50,8 +52,9 @@ from flashlib.viz.figures import PALETTE, SERIES_COLORS, figure_and_axes
 
 __all__ = [
     "BlockGrid", "RooflinePoint", "StepCostFit", "block_grid", "fit_step_cost", "group_steps", "plot_block_cycles",
-    "plot_optimisation_steps", "plot_roofline", "plot_seq_sweep", "plot_step_cost", "plot_steps_vs_baseline",
-    "plot_vmem_by_blocks", "read_table", "roofline_points", "select", "steps_table",
+    "plot_gqa_estimates", "plot_optimisation_steps", "plot_roofline", "plot_seq_sweep", "plot_step_cost",
+    "plot_steps_vs_baseline",
+    "plot_vmem_by_blocks", "plot_window_scaling", "read_table", "roofline_points", "select", "steps_table",
 ]
 
 IMPL_COLORS: dict[str, str] = {"xla": SERIES_COLORS[0], "pallas": SERIES_COLORS[1], "jax_flash": SERIES_COLORS[4]}
@@ -292,3 +295,39 @@ def plot_steps_vs_baseline(story: Mapping[tuple[Any, ...], Sequence[Row]], value
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     ax.grid(True, alpha=0.3)
     return _label(ax, "optimisation step", f"{value.replace('_', ' ')} / JAX's best (lower is better)", title)
+
+
+def plot_gqa_estimates(rows: Sequence[Row], ax: Axes | None = None, title: str | None = None) -> Figure:
+    """GQA/MQA rows of ``variants_v5e.csv``: K/V bytes in HBM (bars, left axis) and cycles (markers, right
+    axis) per kv-head count, non-causal and causal, each relative to multi-head attention (``kv_heads ==
+    heads``)."""
+    fig, ax = figure_and_axes(ax, (6.4, 3.6))
+    rows = sorted(rows, key=lambda row: (row["causal"], -row["kv_heads"]))
+    labels = [f"{'causal' if r['causal'] else 'full'}\n{r['heads']}q/{r['kv_heads']}kv" for r in rows]
+    mha = {r["causal"]: r for r in rows if r["kv_heads"] == r["heads"]}
+    x = np.arange(len(rows))
+    ax.bar(x, [r["kv_bytes"] / mha[r["causal"]]["kv_bytes"] for r in rows], color=SERIES_COLORS[1], alpha=0.6,
+           label="K/V bytes / MHA's")
+    ax.plot(x, [r["cycles"] / mha[r["causal"]]["cycles"] for r in rows], "o", color=SERIES_COLORS[0],
+            label="cycles / MHA's")
+    ax.set_xticks(x, labels=labels, fontsize=8)
+    ax.set_ylim(0, 1.25)
+    ax.axhline(1.0, color="grey", lw=0.8, ls=":")
+    ax.legend(frameon=False, fontsize=8, loc="upper right")
+    return _label(ax, "", "relative to MHA", title)
+
+
+def plot_window_scaling(rows: Sequence[Row], ax: Axes | None = None, title: str | None = None) -> Figure:
+    """Window rows of ``variants_v5e.csv``: cycles against T on log-log axes, with the line a cost linear in T
+    would follow from the shortest length (and the quadratic one for comparison)."""
+    fig, ax = figure_and_axes(ax, (5.0, 3.6))
+    rows = sorted(rows, key=lambda row: row["T"])
+    t = np.array([r["T"] for r in rows], float)
+    cycles = np.array([r["cycles"] for r in rows], float)
+    ax.loglog(t, cycles, "o-", color=SERIES_COLORS[1], label=f"window {rows[0]['window']}")
+    ax.loglog(t, cycles[0] * t / t[0], ls="--", color="grey", label="linear in T")
+    ax.loglog(t, cycles[0] * (t / t[0]) ** 2, ls=":", color=SERIES_COLORS[0], label="quadratic in T")
+    ax.set_xticks(t, labels=[f"{int(n) // 1024}k" for n in t])
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.legend(frameon=False, fontsize=8)
+    return _label(ax, "sequence length T", "static estimate (cycles)", title)

@@ -27,7 +27,8 @@ from matplotlib.figure import Figure
 from flashlib import perf_plots, viz
 from flashlib.tuning import TableKey, TuningResult
 
-__all__ = ["block_size_explorer", "explorer_box", "online_softmax_explorer", "step_through", "tiling_explorer"]
+__all__ = ["SEGMENT_PATTERNS", "block_size_explorer", "design_segments", "draw_mask_design", "explorer_box",
+           "mask_designer", "online_softmax_explorer", "segment_pattern", "step_through", "tiling_explorer"]
 
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 
@@ -213,3 +214,74 @@ def block_size_explorer(table: Mapping[TableKey, TuningResult], *, figsize: tupl
     still = draw(generation.value, seq.value, head_dim.value, causal.value)
     return explorer_box([widgets.HBox([generation, seq]), widgets.HBox([head_dim, causal]), output], still,
                         "block-size explorer over the tuned table")
+
+
+SEGMENT_PATTERNS: tuple[str, ...] = ("none", "2 equal", "3 uneven", "4 short")
+"""The segment layouts :func:`mask_designer` offers: one packed row cut in these proportions."""
+
+
+def segment_pattern(name: str, length: int) -> list[int] | None:
+    """Segment ids for ``length`` tokens in pattern ``name`` of :data:`SEGMENT_PATTERNS` (``None``: no segments)."""
+    shares = {"none": None, "2 equal": (1, 1), "3 uneven": (3, 1, 2), "4 short": (1, 1, 1, 1)}[name]
+    if shares is None:
+        return None
+    bounds = [round(length * sum(shares[:n]) / sum(shares)) for n in range(len(shares) + 1)]
+    return [n for n in range(len(shares)) for _ in range(bounds[n], bounds[n + 1])]
+
+
+def design_segments(name: str, q_len: int, kv_len: int) -> dict:
+    """``q_segments`` and ``kv_segments`` for pattern ``name`` over one packed row of ``max(q_len, kv_len)``
+    tokens, bottom-right aligned like the masks: the queries are the row's last ``q_len`` tokens, the keys its
+    last ``kv_len`` (both ``None`` for ``"none"``)."""
+    row = segment_pattern(name, max(q_len, kv_len))
+    if row is None:
+        return dict(q_segments=None, kv_segments=None)
+    return dict(q_segments=row[len(row) - q_len:], kv_segments=row[len(row) - kv_len:])
+
+
+def draw_mask_design(q_len: int, kv_len: int, block_q: int, block_k: int, causal: bool, left, right,
+                     segments: str, figsize: tuple[float, float] = (11.0, 4.2)) -> Figure:
+    """Three panels for one mask: the element visibility with the block grid, each block's kind
+    (:func:`flashlib.viz.block_plan`), and the key block each grid step fetches (the copies issued)."""
+    window = None if left is None and right is None else (left, right)
+    ids = design_segments(segments, q_len, kv_len)
+    fig = viz.new_figure(figsize)
+    axes = fig.subplots(1, 3, width_ratios=[1.0, 1.0, 1.0])
+    visible = viz.visibility(q_len, kv_len, causal=causal, window=window, **ids)
+    viz.plot_visibility(visible, ax=axes[0], block_q=block_q, block_k=block_k,
+                        title=f"q_len {q_len}, kv_len {kv_len}, window {window}")
+    plan = viz.block_plan(q_len, kv_len, block_q, block_k, causal=causal, window=window, **ids)
+    viz.plot_block_plan(plan, ax=axes[1], title="what each block does")
+    viz.plot_fetch_schedule(plan, ax=axes[2], title="the key block each grid step fetches")
+    return fig
+
+
+def mask_designer(q_len: int = 48, kv_len: int = 64, block_q: int = 8, block_k: int = 8, *, causal: bool = True,
+                  window=(12, 0), segments: str = "none", figsize: tuple[float, float] = (11.0, 4.2)):
+    """Design a mask — causal, a window ``(left, right)`` (``None``: unbounded), a segment pattern, the lengths
+    and blocks — and see which elements are visible, which blocks the kernel skips, masks or runs plain,
+    and which key block each grid step fetches (:func:`draw_mask_design`). Nothing runs but
+    :mod:`flashlib.geometry`'s arithmetic, so every redraw is instant."""
+    import ipywidgets as widgets
+
+    sides = [("none", None)] + [(str(n), n) for n in (0, 1, 2, 4, 8, 12, 16, 24, 32)]
+    lengths = [8, 16, 24, 32, 40, 48, 56, 64, 80, 96]
+    controls = {
+        "q_len": widgets.Dropdown(options=lengths, value=q_len, description="q_len"),
+        "kv_len": widgets.Dropdown(options=lengths, value=kv_len, description="kv_len"),
+        "block_q": widgets.Dropdown(options=[4, 8, 16, 32], value=block_q, description="block_q"),
+        "block_k": widgets.Dropdown(options=[4, 8, 16, 32], value=block_k, description="block_k"),
+        "causal": widgets.Dropdown(options=[("yes", True), ("no", False)], value=causal, description="causal"),
+        "left": widgets.Dropdown(options=sides, value=None if window is None else window[0], description="left"),
+        "right": widgets.Dropdown(options=sides, value=None if window is None else window[1], description="right"),
+        "segments": widgets.Dropdown(options=list(SEGMENT_PATTERNS), value=segments, description="segments"),
+    }
+
+    def redraw(**values) -> None:
+        _show(draw_mask_design(**values, figsize=figsize))
+
+    output = widgets.interactive_output(redraw, controls)
+    still = draw_mask_design(**{name: control.value for name, control in controls.items()}, figsize=figsize)
+    rows = [widgets.HBox([controls[a], controls[b]]) for a, b in (("q_len", "kv_len"), ("block_q", "block_k"),
+                                                                  ("causal", "segments"), ("left", "right"))]
+    return explorer_box([*rows, output], still, "mask designer")

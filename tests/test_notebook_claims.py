@@ -153,6 +153,22 @@ CLAIMS: dict[str, list[Claim]] = {
         Claim("v6e would lose at most about 10% of its estimated cycles",
               r"v6e T=8192 causal=False: at 32 MiB [^\n]*: 1\.105x the cycles"),
     ],
+    "09_masks_and_variants.ipynb": [
+        Claim("in interpret mode here, on 128 queries over 256 keys",
+              r"q \(1, 4, 128, 32\) k \(1, 2, 256, 32\)"),
+        Claim("(above: 32 for q and k, 64 for v and the output)",
+              r"q \(1, 4, 128, 32\) k \(1, 2, 256, 32\) v \(1, 2, 256, 64\) -> out \(1, 4, 128, 64\)"),
+        Claim("Four steps per query block instead of eight", r"kv grid steps per query block: 4 of 8 key blocks"),
+        Claim("K and V take a quarter of MHA's bytes in HBM, with MQA an eighth",
+              r"kv_heads 2: K/V\s+2 MiB \(0\.250 of MHA's\)(.|\n)*kv_heads 1: K/V\s+1 MiB \(0\.125 of MHA's\)"),
+        Claim("within 1.5% of MHA's (1.012x without the causal mask, 1.015x\nwith it)",
+              r"causal=False kv_heads 2: [^\n]*\(1\.012 x MHA\)(.|\n)*causal=True  kv_heads 2: [^\n]*\(1\.015 x MHA\)"),
+        Claim("From 2k to 32k tokens the cost per query token grows by 1.09x",
+              r"T =   2048:[^\n]*(.|\n)*T =  32768:[^\n]*\nlargest / smallest cycles per query token: 1\.09"),
+        Claim("(1.09x\n  per query token from 2k to 32k tokens", r"largest / smallest cycles per query token: 1\.09"),
+        Claim("We pack three MiniLM sentences", r"sentence lengths \[16, 16, 18\] -> one row of 50 tokens"),
+        Claim("(query 0-4 with keys 0-6 here)", r"passed: 'segments' is the oracle's mask"),
+    ],
 }
 
 

@@ -1,4 +1,4 @@
-"""The puzzles as a whole: every notebook 01-08 has at least one (05-07 at least two, Pallas kernels), each is
+"""The puzzles as a whole: every notebook 01-09 has at least one (05-07 and 09 at least two), each is
 wired the same way (stub cell, ``NAME.use(...)`` cell, a generated hints cell), its hints are current, and
 :class:`~flashlib.exercises.puzzle.Puzzle` itself falls back to the solution for a stub or a wrong answer."""
 
@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "notebooks"))
 import make_hint_cells  # noqa: E402
 
-MINIMUM = {"01": 1, "02": 1, "03": 2, "04": 1, "05": 2, "06": 2, "07": 2, "08": 1, "11": 1}
+MINIMUM = {"01": 1, "02": 1, "03": 2, "04": 1, "05": 2, "06": 2, "07": 2, "08": 1, "09": 2, "11": 1}
 
 
 def _notebook_puzzles() -> dict[str, list[tuple[int, str, str]]]:

@@ -20,12 +20,14 @@ module                      notebook  what the learner writes
 ``flash_kernel``            06        the forward kernel's body, causal skipping with a clamped index map
 ``backward``                07        the dK/dV kernel with causal skipping, the dQ kernel
 ``performance``             08        block sizes chosen by the compiler's estimate under a VMEM budget
+``variants``                09        the element rule of causal + window + segments, a soft-cap and a sink in
+                                      the forward kernel, a block's kind under a window
 ``scaling_out``             11        one ring-attention step (merge by log-sum-exp), the causal imbalance
 ==========================  ========  ======================================================================
 
 Where a module would pass 400 lines, its teaching solutions (what ``Puzzle.solution`` points at, and what the
 hints' last level prints) live beside it in ``<module>_solutions`` (``flash_jax``, ``pallas_basics``,
-``flash_kernel``, ``backward``).
+``flash_kernel``, ``backward``, ``variants``).
 
 This package sits at the top of the layers (it checks every stage, kernels and estimates included); nothing in
 the library imports it.

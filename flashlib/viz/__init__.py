@@ -7,6 +7,7 @@ registry and a notebook shows a returned figure exactly once. The data helpers (
 :func:`online_softmax_trace`) are pure Python/NumPy so the notebooks can check the pictures against the definitions.
 
 One module per kind of picture — :mod:`~flashlib.viz.tiles` (attention maps, tiling and schedules),
+:mod:`~flashlib.viz.masks` (the variants: visibility, block plans, soft-cap, head groups),
 :mod:`~flashlib.viz.online_softmax`, :mod:`~flashlib.viz.memory`, :mod:`~flashlib.viz.mesh` (a device mesh,
 the ring's steps and work), :mod:`~flashlib.viz.tpu` (the chip, a
 matmul step), :mod:`~flashlib.viz.figures` (palette, figures, filmstrips, animations) — and every public name
@@ -17,6 +18,17 @@ masked red hatching, skipped grey.
 """
 
 from flashlib.viz.figures import PALETTE, SERIES_COLORS, animate, filmstrip, format_bytes, new_figure, to_jshtml
+from flashlib.viz.masks import (
+    KINDS,
+    BlockPlan,
+    block_plan,
+    plot_block_plan,
+    plot_fetch_schedule,
+    plot_head_groups,
+    plot_softcap,
+    plot_visibility,
+    visibility,
+)
 from flashlib.viz.memory import plot_hbm_traffic, plot_memory_scaling, plot_vmem_budget
 from flashlib.viz.mesh import plot_mesh, plot_ring_step, plot_ring_work
 from flashlib.viz.online_softmax import OnlineStep, online_softmax_trace, plot_online_softmax_step
@@ -31,9 +43,10 @@ from flashlib.viz.tiles import (
 from flashlib.viz.tpu import plot_matmul_step, plot_tpu_anatomy
 
 __all__ = [
-    "PALETTE", "SERIES_COLORS", "OnlineStep", "TileStep", "animate", "filmstrip", "format_bytes", "new_figure",
-    "online_softmax_trace", "plot_attention_map", "plot_hbm_traffic", "plot_kv_schedule", "plot_matmul_step",
-    "plot_memory_scaling", "plot_mesh", "plot_online_softmax_step", "plot_ring_step", "plot_ring_work",
-    "plot_q_schedule", "plot_tiling_step", "plot_tpu_anatomy",
-    "plot_vmem_budget", "tiling_steps", "to_jshtml",
+    "KINDS", "PALETTE", "SERIES_COLORS", "BlockPlan", "OnlineStep", "TileStep", "animate", "block_plan",
+    "filmstrip", "format_bytes", "new_figure", "online_softmax_trace", "plot_attention_map", "plot_block_plan",
+    "plot_fetch_schedule", "plot_hbm_traffic", "plot_head_groups", "plot_kv_schedule", "plot_matmul_step",
+    "plot_memory_scaling", "plot_mesh", "plot_online_softmax_step", "plot_q_schedule", "plot_ring_step",
+    "plot_ring_work", "plot_softcap", "plot_tiling_step", "plot_tpu_anatomy", "plot_visibility", "plot_vmem_budget",
+    "tiling_steps", "to_jshtml", "visibility",
 ]
