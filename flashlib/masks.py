@@ -25,11 +25,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from flashlib.geometry import causal_visible
 
-__all__ = ["FEATURES", "Window", "check_window", "element_visible", "segments_visible", "window_visible"]
+__all__ = ["FEATURES", "Window", "check_window", "element_visible", "segment_block_table", "segments_visible",
+           "window_visible"]
 
 Window = tuple[int | None, int | None]
 
@@ -86,3 +89,37 @@ def element_visible(q_pos, kv_pos, *, q_len: int, kv_len: int, causal: bool, win
     if window is not None:
         visible = visible & window_visible(q_pos, kv_pos, q_len=q_len, kv_len=kv_len, window=window)
     return visible
+
+
+def _id_ranges(ids, length: int, block: int):
+    """``(low, high)`` ``[b, blocks]``: the smallest and largest id among each block's real positions (a block
+    of padding alone gets an empty range, low > high)."""
+    batch, padded = ids.shape
+    real = jnp.arange(padded) < length  # [T]
+    big = jnp.iinfo(jnp.int32).max
+    low = jnp.where(real, ids, big).reshape(batch, padded // block, block).min(-1)  # [b, blocks]
+    high = jnp.where(real, ids, -big).reshape(batch, padded // block, block).max(-1)  # [b, blocks]
+    return low, high
+
+
+def segment_block_table(outer_ids, inner_ids, *, outer_len: int, inner_len: int, outer_block: int,
+                        inner_block: int, band_visible):
+    """``(live, fetch)`` ``[b, num_outer, num_inner]``: which pairs of blocks can meet, and the block a kernel's
+    index map fetches for each pair — what the Pallas kernels receive by scalar prefetch to skip blocks
+    between segments (ids are data, so this is computed outside the kernel, per call).
+
+    ``outer_ids [b, To]``, ``inner_ids [b, Ti]``: segment ids padded to whole blocks (``outer_len``,
+    ``inner_len`` are real); ``band_visible [num_outer, num_inner]``: the band's static block visibility. Two
+    blocks can meet only if their id ranges overlap — exact for packed (non-decreasing) ids, conservative for
+    any others. ``fetch`` is the pair's own block when live, else the last live block before it (the first live
+    one when none is): a skipped step repeats its neighbour's index, so the pipeline copies nothing for it.
+    """
+    outer_ids, inner_ids = jnp.asarray(outer_ids, jnp.int32), jnp.asarray(inner_ids, jnp.int32)
+    outer_low, outer_high = _id_ranges(outer_ids, outer_len, outer_block)  # [b, no]
+    inner_low, inner_high = _id_ranges(inner_ids, inner_len, inner_block)  # [b, ni]
+    overlap = (outer_low[:, :, None] <= inner_high[:, None, :]) & (inner_low[:, None, :] <= outer_high[:, :, None])
+    live = overlap & jnp.asarray(band_visible)[None]  # [b, no, ni]
+    inner = jnp.arange(live.shape[-1], dtype=jnp.int32)
+    last_live = lax.cummax(jnp.where(live, inner, -1), axis=2)  # [b, no, ni]   the last live block so far
+    first_live = jnp.argmax(live, axis=2).astype(jnp.int32)[..., None]  # [b, no, 1]   0 when none is
+    return live, jnp.where(last_live >= 0, last_live, first_live)

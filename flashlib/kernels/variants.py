@@ -12,7 +12,8 @@ half of a call, the soft-cap in base 2, and the layouts segment ids and sinks tr
   and ``l`` are) and *rows* ``[b, 8, T]`` (an id per lane, replicated over sublanes, as the backward's lse
   rows are). Padding gets ids no real token has, so a padded key is never in a query's segment.
   Blocks whose segments cannot meet are skipped — no compute, no copy — through :func:`segment_blocks`:
-  per-block tables computed outside the kernel (ids are data) and handed in by scalar prefetch.
+  per-block tables (:func:`flashlib.masks.segment_block_table`) computed outside the kernel (ids are data)
+  and handed in by scalar prefetch.
 * **sinks** (:func:`sinks_tiles`): each head's sink logit in base 2 as one ``[8, 128]`` tile. The forward
   starts every row's running softmax from it — ``m = sink``, ``l = 1``, ``acc = 0``: the sink is a key of value
   zero seen first — so the lse includes it and a row that sees no key returns zeros. The backward needs
@@ -29,7 +30,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import tpu as pltpu
 
-from flashlib import geometry
+from flashlib import geometry, masks
 from flashlib.geometry import MASK_VALUE
 from flashlib.kernels.scores import LOG2_E
 from flashlib.masks import Window
@@ -158,32 +159,14 @@ class SegmentBlocks(NamedTuple):
     fetch: jax.Array
 
 
-def _id_ranges(ids: jax.Array, length: int, block: int) -> tuple[jax.Array, jax.Array]:
-    """``(low, high)`` ``[b, blocks]``: the smallest and largest id among each block's real positions (a
-    block of padding alone gets an empty range, low > high)."""
-    batch, padded = ids.shape
-    real = jnp.arange(padded) < length  # [T]
-    big = jnp.iinfo(jnp.int32).max
-    low = jnp.where(real, ids, big).reshape(batch, padded // block, block).min(-1)  # [b, blocks]
-    high = jnp.where(real, ids, -big).reshape(batch, padded // block, block).max(-1)  # [b, blocks]
-    return low, high
-
-
 def segment_blocks(outer_ids: jax.Array, inner_ids: jax.Array, *, outer_len: int, inner_len: int,
                    outer_block: int, inner_block: int, band_visible) -> SegmentBlocks:
-    """:class:`SegmentBlocks` for padded ids ``outer_ids [b, To]``, ``inner_ids [b, Ti]`` (the real lengths
-    ``outer_len``, ``inner_len``) and the band's static block visibility ``band_visible [num_outer, num_inner]``
-    (NumPy bool, :func:`flashlib.geometry.block_is_visible` over the grid). Two blocks can meet only if their id
-    ranges overlap — exact for packed (non-decreasing) ids, conservative for any others (a pair that shares
-    no id but whose ranges overlap is computed and masked)."""
-    outer_low, outer_high = _id_ranges(outer_ids, outer_len, outer_block)  # [b, no]
-    inner_low, inner_high = _id_ranges(inner_ids, inner_len, inner_block)  # [b, ni]
-    overlap = (outer_low[:, :, None] <= inner_high[:, None, :]) & (inner_low[:, None, :] <= outer_high[:, :, None])
-    live = overlap & jnp.asarray(band_visible)[None]  # [b, no, ni]
-    inner = jnp.arange(live.shape[-1], dtype=jnp.int32)
-    last_live = lax.cummax(jnp.where(live, inner, -1), axis=2)  # [b, no, ni]   the last live block so far
-    first_live = jnp.argmax(live, axis=2).astype(jnp.int32)[..., None]  # [b, no, 1]   0 when none is
-    fetch = jnp.where(last_live >= 0, last_live, first_live)  # [b, no, ni]
+    """:class:`SegmentBlocks` for padded ids ``outer_ids [b, To]``, ``inner_ids [b, Ti]`` (real lengths
+    ``outer_len``, ``inner_len``) and the band's static block visibility ``band_visible [num_outer, num_inner]``:
+    :func:`flashlib.masks.segment_block_table`, flattened for SMEM."""
+    live, fetch = masks.segment_block_table(outer_ids, inner_ids, outer_len=outer_len, inner_len=inner_len,
+                                            outer_block=outer_block, inner_block=inner_block,
+                                            band_visible=band_visible)
     return SegmentBlocks(live.astype(jnp.int32).reshape(-1), fetch.astype(jnp.int32).reshape(-1))
 
 

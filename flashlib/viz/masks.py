@@ -42,7 +42,7 @@ class BlockPlan(NamedTuple):
     """What a forward kernel does for one (batch, head), with ``block_k`` keys per grid step."""
 
     kinds: np.ndarray  # [num_q_blocks, num_kv_blocks]: index into KINDS
-    empty: np.ndarray  # [num_q_blocks, num_kv_blocks]: computed, yet no element visible (segments never meet)
+    empty: np.ndarray  # [num_q_blocks, num_kv_blocks]: computed, no element visible (id ranges overlap, share no id)
     fetched: np.ndarray  # [num_q_blocks, kv_steps]: the key block grid step (i, s) has in VMEM
     computes: np.ndarray  # [num_q_blocks, kv_steps]: whether grid step (i, s) runs its body
     compacted: bool  # the kv grid axis walks only each query block's live range (a window's left edge)
@@ -62,14 +62,23 @@ class BlockPlan(NamedTuple):
 def block_plan(q_len: int, kv_len: int, block_q: int, block_k: int, *, causal: bool = False, window=None,
                q_segments=None, kv_segments=None) -> BlockPlan:
     """The kernel's decisions for one (batch, head), from :mod:`flashlib.geometry`: a block outside the band is
-    skipped; a visited one is masked when it straddles the band's edge, holds padded keys, or segments are
-    given (ids are data: every visited block builds the mask); else plain. The kv grid axis is
-    :func:`geometry.live_steps` long when it compacts, else every key block; each step fetches
-    :func:`geometry.fetched_block`."""
+    skipped, and with segment ids so is one whose segments cannot meet (:func:`flashlib.masks.segment_block_table`,
+    the table the kernels get by scalar prefetch); a visited one is masked when it straddles the band's edge,
+    holds padded keys, or segments are given (ids are data: every visited block builds the mask); else plain.
+    The kv grid axis is :func:`geometry.live_steps` long when it compacts, else every key block; each step
+    fetches :func:`geometry.fetched_block` (with segments, the table's fetch for it)."""
     num_q, num_kv = -(-q_len // block_q), -(-kv_len // block_k)
     blocks = dict(block_q=block_q, block_k=block_k, q_len=q_len, kv_len=kv_len, causal=causal, window=window)
     i, j = np.arange(num_q)[:, None], np.arange(num_kv)[None, :]
     visible = np.broadcast_to(geometry.block_is_visible(i, j, **blocks), (num_q, num_kv))
+    table_fetch = None
+    if q_segments is not None:  # the blocks whose segments can meet, and what a skipped step fetches instead
+        q_ids = np.pad(np.asarray(q_segments), (0, num_q * block_q - q_len))[None]
+        kv_ids = np.pad(np.asarray(kv_segments), (0, num_kv * block_k - kv_len))[None]
+        live, table_fetch = (np.asarray(x)[0] for x in masks.segment_block_table(
+            q_ids, kv_ids, outer_len=q_len, inner_len=kv_len, outer_block=block_q, inner_block=block_k,
+            band_visible=visible))
+        visible = visible & live
     needs = np.broadcast_to(geometry.block_needs_mask(i, j, **blocks) | (q_segments is not None), (num_q, num_kv))
     kinds = np.where(visible, np.where(needs, 1, 2), 0)
     padded = np.zeros((num_q * block_q, num_kv * block_k), bool)
@@ -79,10 +88,12 @@ def block_plan(q_len: int, kv_len: int, block_q: int, block_k: int, *, causal: b
     live = dict(outer_block=block_q, inner_block=block_k, num_inner=num_kv, q_len=q_len, kv_len=kv_len,
                 causal=causal, window=window)
     compacted = geometry.compacts(causal, window)
-    steps = geometry.live_steps(num_q, **live) if compacted else num_kv
+    steps = geometry.live_steps(num_q, **live)
     s = np.arange(steps)[None, :]
     visited, is_live = geometry.visited_block(i, s, **live)
     fetched = np.broadcast_to(geometry.fetched_block(i, s, **live), (num_q, steps))
+    if table_fetch is not None:
+        fetched = table_fetch[np.arange(num_q)[:, None], fetched]
     in_range = np.minimum(np.broadcast_to(visited, (num_q, steps)), num_kv - 1)
     computes = np.broadcast_to(is_live, (num_q, steps)) & visible[np.arange(num_q)[:, None], in_range]
     return BlockPlan(kinds=kinds, empty=visible & ~seen, fetched=np.array(fetched), computes=np.array(computes),
@@ -125,7 +136,7 @@ def plot_visibility(visible: np.ndarray, *, ax: Axes | None = None, title: str |
 
 def plot_block_plan(plan: BlockPlan, *, ax: Axes | None = None, title: str | None = None) -> Figure:
     """One cell per ``(query block, key block)``: plain (gold), masked (hatched red), skipped (grey); a cross
-    marks a computed block in which no element is visible (segments that never meet)."""
+    marks a computed block in which no element is visible (id ranges that overlap but share no id)."""
     rows, cols = plan.kinds.shape
     fig, ax = figure_and_axes(ax, (1.2 + 0.45 * cols, 1.0 + 0.45 * rows))
     style = {0: (PALETTE["skipped"], 0.35, "", "white"), 1: (PALETTE["S"], 0.45, "///", PALETTE["masked"]),
