@@ -1,0 +1,259 @@
+"""The Pallas TPU decode kernels (issue 17): a few new queries against a long KV cache, contiguous or paged,
+split along the keys (flash-decoding). The contract — shapes, positions, what a blind row returns — is
+:mod:`flashlib.decode`'s; :func:`flashlib.kernels.decode_attention` is the entry point that picks the kernel.
+
+One kernel body serves both cache layouts. The grid is ``(batch, kv_heads, num_splits, blocks_per_split)``:
+
+* the query tile is one kv head's whole GQA group: its ``group`` query heads times ``q_len`` new tokens
+  packed as rows (row ``r = g * q_len + i``), padded to whole sublanes, so the MXU sees a ``[rows, block_k]``
+  score tile rather than one row per head — K and V are read once per kv head, never per query head;
+* split ``s`` walks key blocks ``s * blocks_per_split + j``; a contiguous cache copies ``[block_k, head_dim]``
+  slabs of ``[batch, kv_heads, max_len, head_dim]``, a paged one copies page ``block_table[b, p]`` of the pool
+  ``[num_pages, kv_heads, page_size, head_dim]`` (``block_k = page_size``);
+* ``lengths`` (and the flattened block table) reach the index maps and the body by scalar prefetch (SMEM):
+  an index map clamps a block past the sequence's length to the last live block — the same block index as
+  the step before, so the pipeline issues no copy — and the body skips it (``pl.when``);
+* only a block that reaches the new tokens' diagonal is masked: query ``i`` sees key ``j`` when ``j <=
+  length - q_len + i`` (bottom-right causal); in that block values past the length are zeroed, so stale
+  cache contents (even NaN) never reach a row through ``0 * v``;
+* each split ends with its partial state ``(m, l, acc)`` — ``m`` in base 2, ``m`` and ``l`` lane-replicated
+  ``[rows, 128]`` as in :mod:`flashlib.kernels.tpu_forward` — and :func:`merge_splits` merges them with
+  notebook 03's identity (:func:`flashlib.reference.merge_states`) in plain JAX; with one split the kernel
+  normalises in place and writes the output itself.
+
+``static_length`` (for libtpu's static estimate only): libtpu credits code under a ``pl.when`` that reads
+SMEM as never run, so a kernel whose guards read ``lengths`` looks free. With ``static_length=n`` every
+length is taken to be the Python int ``n``: the guards and clamps read program ids only and are credited
+step by step; the result is right only when every ``lengths[b] == n``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from flashlib.geometry import MASK_VALUE
+from flashlib.kernels.scores import LN_2, base2_scores, lanes_to
+from flashlib.reference import SoftmaxState, merge_states, state_output
+from flashlib.tiling import NUM_LANES, round_up, sublanes
+
+__all__ = ["decode_contiguous", "decode_paged", "merge_splits", "query_rows"]
+
+
+def query_rows(q_len: int, group: int, rows: int) -> jax.Array:
+    """``[rows, 1]`` int32: the new-token index ``i`` of each packed row ``r = g * q_len + i`` (padding rows
+    count on past ``q_len``). Built from compares, not a vector division, which Mosaic may not lower."""
+    r = lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
+    i = r
+    for g in range(1, group):
+        i = i - q_len * (r >= g * q_len).astype(jnp.int32)
+    return i
+
+
+def _decode_kernel(
+    *refs,  # prefetch: lengths [batch] (, block table [batch * pages_per_seq]); q [rows, d]; k [block_k, d];
+    # v [block_k, dv]; outputs o [rows, dv] (normalize) or m, l [rows, 128], acc [rows, dv]; scratch m, l, acc
+    num_prefetch: int,
+    block_k: int,
+    blocks_per_split: int,
+    q_len: int,
+    group: int,
+    scale: float,
+    static_length: int | None,
+    normalize: bool,
+):
+    lengths_ref = refs[0]
+    q_ref, k_ref, v_ref, *rest = refs[num_prefetch:]
+    m_ref, l_ref, acc_ref = rest[-3:]
+    outputs = rest[:-3]
+    rows, value_dim = acc_ref.shape
+    b, split, step = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    length = static_length if static_length is not None else lengths_ref[b]
+    start = (split * blocks_per_split + step) * block_k  # position of this block's first key
+
+    @pl.when(step == 0)
+    def init():
+        m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)  # [rows, 128]
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)  # [rows, 128]
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)  # [rows, dv]
+
+    def update(masked: bool):
+        s = base2_scores(q_ref[...], k_ref[...], scale)  # [rows, block_k]   base 2
+        v = v_ref[...]  # [block_k, dv]
+        if masked:
+            col = lax.broadcasted_iota(jnp.int32, (rows, block_k), 1)  # [rows, block_k]
+            position = length - q_len + (query_rows(q_len, group, rows) if q_len > 1 else 0)  # [rows, 1] or scalar
+            visible = (col <= position - start) & (col < length - start)  # [rows, block_k]
+            s = jnp.where(visible, s, MASK_VALUE)  # [rows, block_k]
+            live_key = lax.broadcasted_iota(jnp.int32, (block_k, 1), 0) < length - start  # [block_k, 1]
+            v = jnp.where(live_key, v, jnp.zeros_like(v))  # [block_k, dv]   stale cache rows never reach acc
+        m_prev, l_prev = m_ref[...], l_ref[...]  # [rows, 128]
+        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))  # [rows, 128]
+        alpha = jnp.exp2(m_prev - m_next)  # [rows, 128]
+        p = jnp.exp2(s - lanes_to(m_next, block_k))  # [rows, block_k]
+        if masked:  # a row that sees no key keeps m = MASK_VALUE, where exp2(s - m) = 1 on masked keys
+            p = p * visible.astype(p.dtype)  # [rows, block_k]   (multiplied, not selected, as in the forward)
+        m_ref[...] = m_next
+        l_ref[...] = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)  # [rows, 128]
+        pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)  # [rows, dv]
+        acc_ref[...] = acc_ref[...] * lanes_to(alpha, value_dim) + pv  # [rows, dv]
+
+    live = start < length  # a block past the sequence is neither copied (index map) nor computed
+    plain = start + block_k <= length - q_len + 1  # every key of the block is visible to every row
+    pl.when(live & plain)(functools.partial(update, False))
+    pl.when(live & jnp.logical_not(plain))(functools.partial(update, True))
+
+    @pl.when(step == pl.num_programs(3) - 1)
+    def finalize():
+        if normalize:  # one split: the output itself
+            (o_ref,) = outputs
+            l = l_ref[...]  # noqa: E741  [rows, 128]
+            l_safe = jnp.where(l == 0.0, 1.0, l)  # a row that saw no key: acc = 0 -> out = 0
+            o_ref[...] = (acc_ref[...] * lanes_to(1.0 / l_safe, value_dim)).astype(o_ref.dtype)  # [rows, dv]
+        else:  # this split's partial state, merged by merge_splits
+            m_out, l_out, acc_out = outputs
+            m_out[...] = m_ref[...]
+            l_out[...] = l_ref[...]
+            acc_out[...] = acc_ref[...]
+
+
+def merge_splits(m: jax.Array, l: jax.Array, acc: jax.Array) -> jax.Array:  # noqa: E741
+    """The output from the splits' partial states ``m`` (base 2), ``l`` ``[..., splits, rows, 128]`` and ``acc
+    [..., splits, rows, dv]``: merged pairwise as a balanced tree by :func:`flashlib.reference.merge_states`
+    (its ``m`` is natural-log: base 2 times ln 2), then normalised (a row no split saw gives zeros)."""
+    level = [SoftmaxState(m[..., s, :, 0] * LN_2, l[..., s, :, 0], acc[..., s, :, :]) for s in range(m.shape[-3])]
+    while len(level) > 1:
+        merged = [merge_states(a, b) for a, b in zip(level[::2], level[1::2], strict=False)]
+        level = merged + ([level[-1]] if len(level) % 2 else [])
+    return state_output(level[0])
+
+
+def _pack(q: jax.Array, kv_heads: int, rows: int) -> jax.Array:
+    """``[b, heads, q_len, d]`` -> ``[b, kv_heads, rows, d]``: a group's heads and new tokens as rows, zero-padded."""
+    batch, heads, q_len, d = q.shape
+    packed = q.reshape(batch, kv_heads, heads // kv_heads * q_len, d)
+    return jnp.pad(packed, ((0, 0), (0, 0), (0, rows - packed.shape[2]), (0, 0)))
+
+
+def _unpack(out: jax.Array, heads: int, q_len: int) -> jax.Array:
+    batch, kv_heads, _, dv = out.shape
+    return out[:, :, : heads // kv_heads * q_len].reshape(batch, heads, q_len, dv)
+
+
+def _packed_rows(rows: int, dtype) -> int:
+    """Packed query rows rounded up to whole sublanes of ``dtype`` (8 for f32, 16 for bf16)."""
+    return round_up(rows, sublanes(dtype))
+
+
+def _last_live_block(length, block_k: int, num_blocks: int):
+    """The index of the block holding key ``length - 1`` (0 for an empty sequence), at most ``num_blocks - 1``."""
+    if isinstance(length, int):
+        return min(max(-(-length // block_k) - 1, 0), num_blocks - 1)
+    return jnp.minimum(jnp.maximum(lax.div(length + block_k - 1, block_k) - 1, 0), num_blocks - 1)
+
+
+def _call(prefetch, q, k, v, kv_index_map, *, block_k: int, num_blocks: int, num_splits: int, q_len: int,
+          heads: int, scale: float, interpret, static_length: int | None, name: str):
+    """The pallas_call both layouts share: ``q [b, kv_heads, rows, d]`` packed; ``k``/``v`` the cache arrays,
+    read through ``kv_index_map(b, h, block, *prefetch_refs)`` (``block`` already clamped to the live blocks)."""
+    batch, kv_heads, rows, d = q.shape
+    value_dim = v.shape[-1]
+    blocks_per_split = -(-num_blocks // num_splits)
+    normalize = num_splits == 1
+
+    def length_of(b, prefetch_refs):
+        return static_length if static_length is not None else prefetch_refs[0][b]
+
+    def kv_map(b, h, s, j, *prefetch_refs):
+        last = _last_live_block(length_of(b, prefetch_refs), block_k, num_blocks)
+        return kv_index_map(b, h, jnp.minimum(s * blocks_per_split + j, last), *prefetch_refs)
+
+    def q_map(b, h, s, j, *_):
+        return b, h, 0, 0
+
+    def split_map(b, h, s, j, *_):
+        return b, h, s, 0, 0
+
+    sq = pl.squeezed
+    k_spec = pl.BlockSpec((sq, sq, block_k, d), kv_map)
+    v_spec = pl.BlockSpec((sq, sq, block_k, value_dim), kv_map)
+    if normalize:
+        out_shape = [jax.ShapeDtypeStruct((batch, kv_heads, rows, value_dim), q.dtype)]
+        out_specs = [pl.BlockSpec((sq, sq, rows, value_dim), q_map)]
+    else:
+        out_shape = [jax.ShapeDtypeStruct((batch, kv_heads, num_splits, rows, width), jnp.float32)
+                     for width in (NUM_LANES, NUM_LANES, value_dim)]
+        out_specs = [pl.BlockSpec((sq, sq, sq, rows, width), split_map) for width in (NUM_LANES, NUM_LANES, value_dim)]
+    kernel = functools.partial(
+        _decode_kernel, num_prefetch=len(prefetch), block_k=block_k, blocks_per_split=blocks_per_split, q_len=q_len,
+        group=heads // kv_heads, scale=scale, static_length=static_length, normalize=normalize)
+    live_keys = batch * kv_heads * num_blocks * block_k  # an upper bound: every block of every sequence
+    itemsize = jnp.dtype(k.dtype).itemsize
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=len(prefetch),
+        grid=(batch, kv_heads, num_splits, blocks_per_split),
+        in_specs=[pl.BlockSpec((sq, sq, rows, d), q_map), k_spec, v_spec],
+        out_specs=out_specs,
+        scratch_shapes=[
+            pltpu.VMEM((rows, NUM_LANES), jnp.float32),  # m: running max (base 2), lane-replicated
+            pltpu.VMEM((rows, NUM_LANES), jnp.float32),  # l: running sum, lane-replicated
+            pltpu.VMEM((rows, value_dim), jnp.float32),  # acc: unnormalised output
+        ],
+    )
+    outputs = pl.pallas_call(
+        kernel,
+        grid_spec=grid_spec,
+        out_shape=out_shape,
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+        cost_estimate=pl.CostEstimate(
+            flops=2 * rows * live_keys * (d + value_dim),
+            transcendentals=rows * live_keys,
+            bytes_accessed=live_keys * (d + value_dim) * itemsize + 2 * q.size * q.dtype.itemsize,
+        ),
+        interpret=interpret,
+        name=name,
+    )(*prefetch, q, k, v)
+    out = outputs[0] if normalize else merge_splits(*outputs).astype(q.dtype)  # [b, kv_heads, rows, dv]
+    return _unpack(out, heads, q_len)
+
+
+@functools.partial(jax.jit, static_argnames=("block_k", "num_splits", "scale", "interpret", "static_length"))
+def decode_contiguous(q, k, v, lengths, *, block_k: int, num_splits: int, scale: float, interpret,
+                      static_length: int | None = None):
+    """Decode over a contiguous cache ``k [b, kv_heads, max_len, d]`` (``max_len`` a multiple of ``block_k``),
+    ``v [..., dv]``, ``lengths [b]``; settings already checked (:func:`flashlib.kernels.decode_attention`)."""
+    batch, heads, q_len, _ = q.shape
+    kv_heads, max_len = k.shape[1], k.shape[2]
+    rows = _packed_rows(heads // kv_heads * q_len, q.dtype)
+
+    def kv_index_map(b, h, block, *_):
+        return b, h, block, 0
+
+    return _call((lengths.astype(jnp.int32),), _pack(q, kv_heads, rows), k, v, kv_index_map, block_k=block_k,
+                 num_blocks=max_len // block_k, num_splits=num_splits, q_len=q_len, heads=heads, scale=scale,
+                 interpret=interpret, static_length=static_length, name="flash_decode")
+
+
+@functools.partial(jax.jit, static_argnames=("num_splits", "scale", "interpret", "static_length"))
+def decode_paged(q, k_pages, v_pages, block_table, lengths, *, num_splits: int, scale: float, interpret,
+                 static_length: int | None = None):
+    """Decode over a paged cache: pool ``k_pages [num_pages, kv_heads, page_size, d]``, ``v_pages``, ``block_table
+    [b, pages_per_seq]``, ``lengths [b]``; one page per grid step, found through the table (scalar prefetch)."""
+    batch, heads, q_len, _ = q.shape
+    num_pages, kv_heads, page_size, _ = k_pages.shape
+    pages_per_seq = block_table.shape[1]
+    rows = _packed_rows(heads // kv_heads * q_len, q.dtype)
+
+    def page_index_map(b, h, block, lengths_ref, table_ref):
+        page = table_ref[b * pages_per_seq + block]  # the table, flattened: SMEM pads a 2-D array's rows
+        return jnp.minimum(jnp.maximum(page, 0), num_pages - 1), h, 0, 0  # a bad entry is never a wild copy
+
+    prefetch = (lengths.astype(jnp.int32), block_table.astype(jnp.int32).reshape(-1))
+    return _call(prefetch, _pack(q, kv_heads, rows), k_pages, v_pages, page_index_map, block_k=page_size,
+                 num_blocks=pages_per_seq, num_splits=num_splits, q_len=q_len, heads=heads, scale=scale,
+                 interpret=interpret, static_length=static_length, name="flash_decode_paged")
