@@ -5,7 +5,7 @@ split along the keys (flash-decoding). The contract — shapes, positions, what 
 One kernel body serves both cache layouts. The grid is ``(batch, kv_heads, num_splits, blocks_per_split)``:
 
 * the query tile is one kv head's whole GQA group: its ``group`` query heads times ``q_len`` new tokens
-  packed as rows (row ``r = g * q_len + i``), padded to whole sublanes, so the MXU sees a ``[rows, block_k]``
+  packed as rows (row ``r = g * q_len + i``; not padded, see :func:`_pack`), so the MXU sees a ``[rows, block_k]``
   score tile rather than one row per head — K and V are read once per kv head, never per query head;
 * split ``s`` walks key blocks ``s * blocks_per_split + j``; a contiguous cache copies ``[block_k, head_dim]``
   slabs of ``[batch, kv_heads, max_len, head_dim]``, a paged one copies page ``block_table[b, p]`` of the pool
@@ -40,14 +40,14 @@ from jax.experimental.pallas import tpu as pltpu
 from flashlib.geometry import MASK_VALUE
 from flashlib.kernels.scores import LN_2, base2_scores, lanes_to
 from flashlib.reference import SoftmaxState, merge_states, state_output
-from flashlib.tiling import NUM_LANES, round_up, sublanes
+from flashlib.tiling import NUM_LANES
 
 __all__ = ["decode_contiguous", "decode_paged", "merge_splits", "query_rows"]
 
 
 def query_rows(q_len: int, group: int, rows: int) -> jax.Array:
-    """``[rows, 1]`` int32: the new-token index ``i`` of each packed row ``r = g * q_len + i`` (padding rows
-    count on past ``q_len``). Built from compares, not a vector division, which Mosaic may not lower."""
+    """``[rows, 1]`` int32: the new-token index ``i`` of each packed row ``r = g * q_len + i``. Built from
+    compares, not a vector division, which Mosaic may not lower."""
     r = lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
     i = r
     for g in range(1, group):
@@ -133,21 +133,20 @@ def merge_splits(m: jax.Array, l: jax.Array, acc: jax.Array) -> jax.Array:  # no
     return state_output(level[0])
 
 
-def _pack(q: jax.Array, kv_heads: int, rows: int) -> jax.Array:
-    """``[b, heads, q_len, d]`` -> ``[b, kv_heads, rows, d]``: a group's heads and new tokens as rows, zero-padded."""
+def _pack(q: jax.Array, kv_heads: int) -> jax.Array:
+    """``[b, heads, q_len, d]`` -> ``[b, kv_heads, group * q_len, d]``: a group's heads and new tokens as rows.
+
+    The rows are not padded to whole sublanes: a block that spans the whole rows axis is legal at any size
+    (Mosaic pads the tile in VMEM), and a ``jnp.pad`` here — an HBM copy of q for nothing — made libtpu
+    0.0.50's static profiler crash on the bf16 kernel ("Cannot schedule FIFO pop instruction when the FIFO
+    is empty") while 16 unpadded rows profile fine."""
     batch, heads, q_len, d = q.shape
-    packed = q.reshape(batch, kv_heads, heads // kv_heads * q_len, d)
-    return jnp.pad(packed, ((0, 0), (0, 0), (0, rows - packed.shape[2]), (0, 0)))
+    return q.reshape(batch, kv_heads, heads // kv_heads * q_len, d)
 
 
 def _unpack(out: jax.Array, heads: int, q_len: int) -> jax.Array:
     batch, kv_heads, _, dv = out.shape
-    return out[:, :, : heads // kv_heads * q_len].reshape(batch, heads, q_len, dv)
-
-
-def _packed_rows(rows: int, dtype) -> int:
-    """Packed query rows rounded up to whole sublanes of ``dtype`` (8 for f32, 16 for bf16)."""
-    return round_up(rows, sublanes(dtype))
+    return out.reshape(batch, heads, q_len, dv)
 
 
 def _last_live_block(length, block_k: int, num_blocks: int):
@@ -229,12 +228,11 @@ def decode_contiguous(q, k, v, lengths, *, block_k: int, num_splits: int, scale:
     ``v [..., dv]``, ``lengths [b]``; settings already checked (:func:`flashlib.kernels.decode_attention`)."""
     batch, heads, q_len, _ = q.shape
     kv_heads, max_len = k.shape[1], k.shape[2]
-    rows = _packed_rows(heads // kv_heads * q_len, q.dtype)
 
     def kv_index_map(b, h, block, *_):
         return b, h, block, 0
 
-    return _call((lengths.astype(jnp.int32),), _pack(q, kv_heads, rows), k, v, kv_index_map, block_k=block_k,
+    return _call((lengths.astype(jnp.int32),), _pack(q, kv_heads), k, v, kv_index_map, block_k=block_k,
                  num_blocks=max_len // block_k, num_splits=num_splits, q_len=q_len, heads=heads, scale=scale,
                  interpret=interpret, static_length=static_length, name="flash_decode")
 
@@ -247,13 +245,12 @@ def decode_paged(q, k_pages, v_pages, block_table, lengths, *, num_splits: int, 
     batch, heads, q_len, _ = q.shape
     num_pages, kv_heads, page_size, _ = k_pages.shape
     pages_per_seq = block_table.shape[1]
-    rows = _packed_rows(heads // kv_heads * q_len, q.dtype)
 
     def page_index_map(b, h, block, lengths_ref, table_ref):
         page = table_ref[b * pages_per_seq + block]  # the table, flattened: SMEM pads a 2-D array's rows
         return jnp.minimum(jnp.maximum(page, 0), num_pages - 1), h, 0, 0  # a bad entry is never a wild copy
 
     prefetch = (lengths.astype(jnp.int32), block_table.astype(jnp.int32).reshape(-1))
-    return _call(prefetch, _pack(q, kv_heads, rows), k_pages, v_pages, page_index_map, block_k=page_size,
+    return _call(prefetch, _pack(q, kv_heads), k_pages, v_pages, page_index_map, block_k=page_size,
                  num_blocks=pages_per_seq, num_splits=num_splits, q_len=q_len, heads=heads, scale=scale,
                  interpret=interpret, static_length=static_length, name="flash_decode_paged")
