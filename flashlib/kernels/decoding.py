@@ -5,7 +5,7 @@ from the shapes (both overridable) and every argument checked before anything is
 The split count. A TensorCore runs a kernel's grid one step at a time, so splitting the keys buys parallel
 work only where a device has more than one core to share the grid's parallel axes among (megacore: v4,
 v5p); elsewhere (v5e, v6e, the CPU) a split only adds a partial-state write and the merge, and libtpu's
-static estimate agrees (``data/estimates/decode_v5e.json``). :func:`default_num_splits` therefore asks for
+static estimate agrees (``data/estimates/decode_v5e.csv``). :func:`default_num_splits` therefore asks for
 just enough splits that ``batch * kv_heads * num_splits`` covers the device's cores, and a single split —
 the kernel normalises in place, no merge — whenever the cache is short (one key block per split at most).
 """
@@ -28,7 +28,7 @@ __all__ = ["DECODE_IMPLS", "MAX_BLOCK_K", "decode_attention", "default_block_k",
 DECODE_IMPLS = ("pallas", "split_kv", "reference")
 # The largest default key block of a contiguous cache: the bigger the copy per grid step, the smaller the
 # step's fixed cost against the HBM time (libtpu's estimate: 2048 keys of bf16 head_dim 128 per step come within
-# a few percent of the HBM floor on v5e; data/estimates/decode_v5e.json).
+# a few percent of the HBM floor on v5e; data/estimates/decode_v5e.csv).
 MAX_BLOCK_K = 2048
 
 
