@@ -26,7 +26,7 @@ import jax
 import numpy as np
 
 from flashlib import estimate, hardware
-from flashlib.kernels import tpu_decode
+from flashlib.kernels import decoding, tpu_decode
 from flashlib.reference import default_scale
 
 __all__ = ["KINDS", "cache_bytes", "decode_table", "estimate_decode", "hbm_floor_cycles"]
@@ -61,21 +61,24 @@ def contiguous_guarded(q, k, v, lengths, *, block_k: int, num_splits: int):
                                         scale=default_scale(q.shape[-1]), interpret=False)
 
 
-def paged_full(q, k_pages, v_pages, block_table, lengths, *, num_splits: int):
+def paged_full(q, k_pages, v_pages, block_table, lengths, *, num_splits: int, pages_per_step: int):
     """The paged kernel with every sequence full: its ``pages_per_seq * page_size`` keys all live."""
     full = block_table.shape[1] * k_pages.shape[2]
     return tpu_decode.decode_paged(q, k_pages, v_pages, block_table, lengths, num_splits=num_splits,
-                                   scale=default_scale(q.shape[-1]), interpret=False, static_length=full)
+                                   pages_per_step=pages_per_step, scale=default_scale(q.shape[-1]), interpret=False,
+                                   static_length=full)
 
 
 def estimate_decode(kind: str = "contiguous", *, batch: int = 1, kv_len: int = 4096, heads: int = 32,
                     kv_heads: int = 4, head_dim: int = 128, dtype: str = "bfloat16", num_splits: int = 1,
-                    block_k: int = 2048, page_size: int = 512, topology: str = "v5e:1x1",
+                    block_k: int = 2048, page_size: int = 512, pages_per_step: int | None = None,
+                    topology: str = "v5e:1x1",
                     timeout: float = 600.0) -> dict[str, Any]:
     """One row: libtpu's static cycles of a decode step (one new token per sequence) against the HBM floor.
 
-    ``kind``: ``"contiguous"`` and ``"paged"`` (one ``page_size`` page per grid step, the pool holding exactly
-    the batch's pages) are the decode kernels at full length; ``"guarded"`` the contiguous kernel reading
+    ``kind``: ``"contiguous"`` and ``"paged"`` (``pages_per_step`` pages of ``page_size`` keys per grid step,
+    None: :func:`~flashlib.kernels.decoding.default_pages_per_step`; the pool holds exactly the batch's pages)
+    are the decode kernels at full length; ``"guarded"`` the contiguous kernel reading
     ``lengths`` (the profiler's artefact); ``"forward"`` flashlib's attention forward at ``q_len =``
     :data:`FORWARD_Q_LEN` (``block_k`` keys per copy in sub-blocks of 512; ``num_splits`` ignored). The row's
     ``cycles`` are the total of every op compiled (the split merge included); ``kernel_cycles`` the Pallas
@@ -89,9 +92,12 @@ def estimate_decode(kind: str = "contiguous", *, batch: int = 1, kv_len: int = 4
     kv = s((batch, kv_heads, kv_len, head_dim), dtype)
     if kind == "paged":
         pages = kv_len // page_size
+        if pages_per_step is None:
+            pages_per_step = decoding.default_pages_per_step(page_size, pages)
         pool = s((batch * pages, kv_heads, page_size, head_dim), dtype)
         result = estimate.estimate_cycles(paged_full, q, pool, pool, s((batch, pages), np.int32), lengths,
-                                          topology=topology, timeout=timeout, num_splits=num_splits)
+                                          topology=topology, timeout=timeout, num_splits=num_splits,
+                                          pages_per_step=pages_per_step)
         block_k = page_size
     elif kind == "forward":
         num_splits = 1
@@ -106,7 +112,8 @@ def estimate_decode(kind: str = "contiguous", *, batch: int = 1, kv_len: int = 4
     kernel = sum(c for name, c in result.kernels.items() if name.startswith(("flash_decode", "flash_attention")))
     return dict(kind=kind, topology=topology, batch=batch, kv_len=kv_len, heads=heads, kv_heads=kv_heads,
                 head_dim=head_dim, dtype=dtype, num_splits=num_splits, block_k=block_k,
-                cycles=result.total_cycles, kernel_cycles=kernel, floor_cycles=round(floor),
+                pages_per_step=pages_per_step if kind == "paged" else None, cycles=result.total_cycles,
+                kernel_cycles=kernel, floor_cycles=round(floor),
                 vs_floor=round(result.total_cycles / floor, 3), libtpu=result.libtpu_version)
 
 
@@ -125,7 +132,8 @@ def decode_table(kv_lens=(4096, 16384, 65536), batches=(1, 8), splits=(1, 2, 4, 
     if extra:
         first = dict(kv_len=kv_lens[0], batch=batches[0])
         plan += [dict(kind="contiguous", num_splits=1, block_k=b, **first) for b in (512, 1024, 4096) if b != block_k]
-        plan += [dict(kind="paged", num_splits=1, page_size=p, **first) for p in (128, 512)]
+        plan += [dict(kind="paged", num_splits=1, page_size=p, pages_per_step=n, **first)
+                 for p, n in ((128, 1), (128, 16), (512, 1), (512, 4))]
         plan.append(dict(kind="guarded", num_splits=1, block_k=block_k, **first))
     rows = []
     for i, options in enumerate(plan):

@@ -21,7 +21,7 @@ from peers import rules
 
 from flashlib import decode
 from flashlib.kernels import decode_attention
-from flashlib.kernels.decoding import default_block_k, default_num_splits
+from flashlib.kernels.decoding import default_block_k, default_num_splits, default_pages_per_step
 from flashlib.tpu_compile import compile_for_tpu
 
 BF16, F32 = jnp.bfloat16, jnp.float32
@@ -83,22 +83,24 @@ def test_contiguous_cache_by_flashattentions_rule(batch, kv_heads, group, q_len,
     _check_rule(got, q, cache, RULE)
 
 
-PAGED_CASES = [  # (batch, kv_heads, group, q_len, page_size, pages_per_seq, head_dim, dtype, lengths, num_splits)
-    (3, 2, 2, 1, 16, 5, 64, F32, [80, 17, 0], 2),  # full pages; one key into a page; an empty sequence
-    (3, 1, 8, 3, 8, 6, 64, BF16, [5, 48, 33], 3),  # a row shorter than a page; all pages full; GQA 8:1, bf16
-    (2, 2, 1, 5, 16, 4, 32, F32, [3, 64], 1),  # length < q_len (blind rows), one split (normalised in place)
-    (2, 1, 2, 1, 16, 4, 32, BF16, [40, 63], 4),  # one page per split
+# (batch, kv_heads, group, q_len, page_size, pages_per_seq, d, dtype, lengths, num_splits, pages_per_step)
+PAGED_CASES = [
+    (3, 2, 2, 1, 16, 5, 64, F32, [80, 17, 0], 2, 2),  # full pages; one key into a page; an empty sequence
+    (3, 1, 8, 3, 8, 6, 64, BF16, [5, 48, 33], 3, 1),  # a row shorter than a page; all pages full; GQA 8:1, bf16
+    (2, 2, 1, 5, 16, 4, 32, F32, [3, 64], 1, None),  # length < q_len (blind rows); the default: all 4 pages a step
+    (2, 1, 2, 1, 16, 4, 32, BF16, [40, 63], 4, 1),  # one page per split
+    (2, 1, 4, 2, 16, 7, 32, F32, [100, 33], 2, 3),  # 3 pages a step over 7: the last step has 2 slots past the table
 ]
 
 
-@pytest.mark.parametrize("batch, kv_heads, group, q_len, page_size, pages_per_seq, d, dtype, lengths, num_splits",
-                         PAGED_CASES)
+@pytest.mark.parametrize("batch, kv_heads, group, q_len, page_size, pages_per_seq, d, dtype, lengths, num_splits, "
+                         "pages_per_step", PAGED_CASES)
 def test_paged_cache_by_flashattentions_rule(batch, kv_heads, group, q_len, page_size, pages_per_seq, d, dtype,
-                                             lengths, num_splits):
+                                             lengths, num_splits, pages_per_step):
     rng = np.random.default_rng(page_size * pages_per_seq + q_len)
     cache = _paged(rng, batch, kv_heads, page_size, pages_per_seq, d, dtype, lengths)
     q = jnp.asarray(rng.normal(size=(batch, kv_heads * group, q_len, d)), dtype)
-    got = decode_attention(q, cache, num_splits=num_splits, interpret=True)
+    got = decode_attention(q, cache, num_splits=num_splits, pages_per_step=pages_per_step, interpret=True)
     _check_rule(got, q, cache, RULE)
 
 
@@ -132,7 +134,7 @@ def test_stale_cache_and_bad_table_entries_past_the_length_never_reach_the_outpu
         bad_table[b, live_pages:] = [-7, 10**6, 99, -1][: pages_per_seq - live_pages]
     poisoned = decode.PagedKVCache(jnp.asarray(k), jnp.asarray(v), jnp.asarray(bad_table), cache.lengths)
     q = jnp.asarray(rng.normal(size=(batch, 2, 3, 32)), F32)
-    got = np.asarray(decode_attention(q, poisoned, num_splits=2, interpret=pltpu.InterpretParams()))
+    got = np.asarray(decode_attention(q, poisoned, num_splits=2, pages_per_step=2, interpret=pltpu.InterpretParams()))
     assert np.all(np.isfinite(got))
     np.testing.assert_allclose(got, decode.decode_oracle(q, cache), atol=2e-6)
 
@@ -147,7 +149,7 @@ def test_tpu_semantics_interpret_mode_with_race_detection(paged):
     else:
         cache = _contiguous(rng, 2, 2, 384, 32, BF16, [300, 2])
     q = jnp.asarray(rng.normal(size=(2, 4, 3, 32)), BF16)
-    options = {} if paged else {"block_k": 128}
+    options = {"pages_per_step": 2} if paged else {"block_k": 128}
     got = decode_attention(q, cache, num_splits=2, interpret=pltpu.InterpretParams(detect_races=True), **options)
     _check_rule(got, q, cache, RULE)
 
@@ -159,15 +161,20 @@ def test_defaults_follow_the_shapes():
     assert default_num_splits(8, 4, 32, cores=2) == 1  # the batch already fills the cores
     assert default_num_splits(1, 1, 1, cores=2) == 1  # a short cache: one split
     assert default_num_splits(1, 1, 32) == 1  # off a TPU: one core
+    assert default_pages_per_step(128, 64) == 16 and default_pages_per_step(512, 64) == 4
+    assert default_pages_per_step(16, 5) == 5 and default_pages_per_step(4096, 8) == 1
 
 
 @pytest.mark.parametrize("change, message", [
     (dict(impl="flash"), r"impl must be one of 'pallas', 'split_kv', 'reference'"),
     (dict(block_k=100), r"block_k must be a positive multiple of 128"),
-    (dict(num_splits=0), r"num_splits must be an int from 1 to 3 \(at most one per block: the cache has 3 key"),
+    (dict(num_splits=0), r"num_splits must be an int from 1 to 3 \(at most one per grid step: the cache has 3 key"),
     (dict(num_splits=4), r"num_splits must be an int from 1 to 3"),
     (dict(paged=True, block_k=128), r"block_k must be None for a paged cache"),
-    (dict(paged=True, num_splits=5), r"num_splits must be an int from 1 to 4 \(.*4 pages per sequence"),
+    (dict(paged=True, num_splits=2), r"num_splits must be an int from 1 to 1 \(.*1 grid steps of 4 page"),
+    (dict(paged=True, pages_per_step=1, num_splits=5), r"num_splits must be an int from 1 to 4"),
+    (dict(paged=True, pages_per_step=5), r"pages_per_step must be an int from 1 to 4"),
+    (dict(pages_per_step=2), r"pages_per_step is for a paged cache"),
     (dict(dtype=jnp.float16), r"q must be float32 or bfloat16"),
     (dict(cache_dtype=BF16), r"the cache's k and v must have q's dtype float32"),
     (dict(lengths=[3.0, 1.0]), r"lengths must be \[batch\] = \(2,\) ints"),
@@ -206,7 +213,7 @@ def test_flashattention_kvcache_and_splitkv_cases(q_len, kv_len, kv_heads, paged
     if paged:
         pages = -(-(kv_len + 128) // 64)
         cache = _paged(rng, 2, kv_heads, 64, pages, 64, dtype, lengths)
-        options = {}
+        options = {"pages_per_step": 4}
     else:
         cache = _contiguous(rng, 2, kv_heads, kv_len + 128, 64, dtype, lengths)
         options = {"block_k": 128}
@@ -223,7 +230,8 @@ def test_decode_kernels_compile_for_tpu(topology, paged):
     s = jax.ShapeDtypeStruct
     if paged:
         def fn(q, k, v, table, lengths):
-            return decode_attention(q, decode.PagedKVCache(k, v, table, lengths), num_splits=2, interpret=False)
+            return decode_attention(q, decode.PagedKVCache(k, v, table, lengths), num_splits=2, pages_per_step=4,
+                                    interpret=False)
         args = (s((2, 8, 3, 128), BF16), s((40, 2, 64, 128), BF16), s((40, 2, 64, 128), BF16), s((2, 16), jnp.int32),
                 s((2,), jnp.int32))
     else:

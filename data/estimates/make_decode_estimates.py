@@ -4,7 +4,8 @@ HBM floor (:mod:`flashlib.decode_estimate`; issue 17).
 One new token per sequence, bf16, head_dim 128, GQA 8:1 (32 query heads on 4 kv heads), caches of 4k, 16k
 and 64k keys, batch 1 and 8: the contiguous-cache decode kernel at 1, 2, 4 and 8 splits (2048-key blocks),
 flashlib's attention forward on the same cache (at ``q_len = 16``, the block ``q_len = 1`` pads to), and at
-4k / batch 1 the key-block sweep, the paged kernel (pages of 128 and 512 keys) and the kernel as served
+4k / batch 1 the key-block sweep, the paged kernel (pages of 128 and 512 keys, one page per grid step and
+2048 keys per step) and the kernel as served
 (guards reading ``lengths``). Each compiled ahead of time for one TPU target in a fresh subprocess. No TPU
 needed; libtpu >= 0.0.42 is (the newest-jax environment)::
 
@@ -23,8 +24,8 @@ import jax
 
 from flashlib import decode_estimate, estimate, hardware, provenance
 
-COLUMNS = ["kind", "batch", "kv_len", "num_splits", "block_k", "cycles", "kernel_cycles", "floor_cycles", "vs_floor",
-           "status", "note"]
+COLUMNS = ["kind", "batch", "kv_len", "num_splits", "block_k", "pages_per_step", "cycles", "kernel_cycles",
+           "floor_cycles", "vs_floor", "status", "note"]
 
 
 def main() -> None:

@@ -23,13 +23,15 @@ from flashlib.kernels.tpu_decode import decode_contiguous, decode_paged
 from flashlib.reference import default_scale
 from flashlib.tiling import NUM_LANES, pad_to_multiple
 
-__all__ = ["DECODE_IMPLS", "MAX_BLOCK_K", "decode_attention", "default_block_k", "default_num_splits"]
+__all__ = ["DECODE_IMPLS", "MAX_BLOCK_K", "MAX_PAGES_PER_STEP", "decode_attention", "default_block_k",
+           "default_num_splits", "default_pages_per_step"]
 
 DECODE_IMPLS = ("pallas", "split_kv", "reference")
 # The largest default key block of a contiguous cache: the bigger the copy per grid step, the smaller the
 # step's fixed cost against the HBM time (libtpu's estimate: 2048 keys of bf16 head_dim 128 per step come within
 # a few percent of the HBM floor on v5e; data/estimates/decode_v5e.csv).
 MAX_BLOCK_K = 2048
+MAX_PAGES_PER_STEP = 16  # a paged step's pages are operands of their own and unrolled bodies: keep the kernel small
 
 
 def default_block_k(max_len: int) -> int:
@@ -40,6 +42,12 @@ def default_block_k(max_len: int) -> int:
         if max_len % block == 0:
             return block
     return min(MAX_BLOCK_K, -(-max_len // NUM_LANES) * NUM_LANES)
+
+
+def default_pages_per_step(page_size: int, pages_per_seq: int) -> int:
+    """Pages a paged cache copies per grid step: enough for :data:`MAX_BLOCK_K` keys, at most
+    :data:`MAX_PAGES_PER_STEP` (each page is an operand of its own, its body unrolled) and ``pages_per_seq``."""
+    return max(1, min(MAX_BLOCK_K // page_size, MAX_PAGES_PER_STEP, pages_per_seq))
 
 
 def default_num_splits(batch: int, kv_heads: int, num_blocks: int, cores: int | None = None) -> int:
@@ -59,8 +67,8 @@ def _check_int(name: str, value: Any, low: int, high: int, hint: str) -> int:
 
 
 def decode_attention(q: jax.Array, cache: decode.KVCache | decode.PagedKVCache, *, impl: str = "pallas",
-                     num_splits: int | None = None, block_k: int | None = None, scale: float | None = None,
-                     interpret: Any = None) -> jax.Array:
+                     num_splits: int | None = None, block_k: int | None = None, pages_per_step: int | None = None,
+                     scale: float | None = None, interpret: Any = None) -> jax.Array:
     """Decoding attention: ``q [batch, heads, q_len, head_dim]`` (the newest tokens, already in the cache)
     against ``cache`` (:class:`flashlib.decode.KVCache` or :class:`~flashlib.decode.PagedKVCache`), bottom-right
     causal; ``[batch, heads, q_len, v_head_dim]`` in q's dtype (:mod:`flashlib.decode` states the contract).
@@ -69,9 +77,12 @@ def decode_attention(q: jax.Array, cache: decode.KVCache | decode.PagedKVCache, 
       impl: ``"pallas"`` (the Pallas TPU kernels), ``"split_kv"`` (:func:`flashlib.decode.decode_split_kv`, pure
         JAX) or ``"reference"`` (:func:`flashlib.decode.decode_reference`).
       num_splits: key splits, each a partial state merged at the end; None: :func:`default_num_splits` (for
-        ``"split_kv"``: 1). A paged cache splits its ``pages_per_seq`` pages, a contiguous one its key blocks.
+        ``"split_kv"``: 1). A paged cache splits its grid steps of ``pages_per_step`` pages, a contiguous one
+        its key blocks.
       block_k: keys per grid step of a contiguous cache, a multiple of 128 (None: :func:`default_block_k`);
-        a paged cache copies one page per step (its page size), so ``block_k`` must be None there.
+        None for a paged cache, whose block is its page.
+      pages_per_step: pages a paged cache copies per grid step (None: :func:`default_pages_per_step`); None
+        for a contiguous cache.
       scale: softmax temperature, default ``1/sqrt(head_dim)``.
       interpret: as for the attention kernels: None compiles on a TPU and interprets elsewhere; False forces
         the compiled path (for an ahead-of-time compile); True or a ``pltpu.InterpretParams`` interprets.
@@ -91,10 +102,17 @@ def decode_attention(q: jax.Array, cache: decode.KVCache | decode.PagedKVCache, 
     batch, kv_heads = q.shape[0], k.shape[1]
     if paged:
         if block_k is not None:
-            raise ValueError(f"block_k must be None for a paged cache: each grid step copies one page "
-                             f"({k.shape[2]} keys, the pool's page_size); got block_k={block_k!r}")
-        block_k, num_blocks = k.shape[2], cache.block_table.shape[1]
+            raise ValueError(f"block_k must be None for a paged cache: its key block is the page ({k.shape[2]} "
+                             f"keys); set pages_per_step for more keys per grid step; got block_k={block_k!r}")
+        block_k, pages_per_seq = k.shape[2], cache.block_table.shape[1]
+        if pages_per_step is None:
+            pages_per_step = default_pages_per_step(block_k, pages_per_seq)
+        _check_int("pages_per_step", pages_per_step, 1, pages_per_seq, "pages copied per grid step")
+        num_blocks = -(-pages_per_seq // pages_per_step)  # grid steps per sequence
     else:
+        if pages_per_step is not None:
+            raise ValueError(f"pages_per_step is for a paged cache; a contiguous one sets block_k, got "
+                             f"pages_per_step={pages_per_step!r}")
         max_len = k.shape[2]
         if block_k is None:
             block_k = default_block_k(max_len)
@@ -103,17 +121,17 @@ def decode_attention(q: jax.Array, cache: decode.KVCache | decode.PagedKVCache, 
                              f"{block_k!r}; e.g. block_k=512")
         num_blocks = -(-max_len // block_k)
     if impl == "split_kv":
-        keys = num_blocks * block_k if paged else k.shape[2]
+        keys = cache.block_table.shape[1] * block_k if paged else k.shape[2]
         splits = 1 if num_splits is None else _check_int("num_splits", num_splits, 1, keys, "at most one per key")
         return decode.decode_split_kv(q, cache, num_splits=splits, scale=scale)
     if num_splits is None:
         num_splits = default_num_splits(batch, kv_heads, num_blocks)
-    unit = "pages per sequence" if paged else f"key blocks of {block_k}"
-    _check_int("num_splits", num_splits, 1, num_blocks, f"at most one per block: the cache has {num_blocks} {unit}")
+    unit = f"grid steps of {pages_per_step} page(s)" if paged else f"key blocks of {block_k}"
+    _check_int("num_splits", num_splits, 1, num_blocks, f"at most one per grid step: the cache has {num_blocks} {unit}")
     interpret = env.interpret_default() if interpret is None else interpret
     if paged:
         return decode_paged(q, cache.k_pages, cache.v_pages, cache.block_table, cache.lengths,
-                            num_splits=num_splits, scale=scale, interpret=interpret)
+                            num_splits=num_splits, pages_per_step=pages_per_step, scale=scale, interpret=interpret)
     k_cache = pad_to_multiple(cache.k, 2, block_k)  # a copy only when max_len is not a multiple of block_k
     v_cache = pad_to_multiple(cache.v, 2, block_k)
     return decode_contiguous(q, k_cache, v_cache, cache.lengths, block_k=block_k, num_splits=num_splits,

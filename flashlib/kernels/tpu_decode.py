@@ -2,17 +2,21 @@
 split along the keys (flash-decoding). The contract — shapes, positions, what a blind row returns — is
 :mod:`flashlib.decode`'s; :func:`flashlib.kernels.decode_attention` is the entry point that picks the kernel.
 
-One kernel body serves both cache layouts. The grid is ``(batch, kv_heads, num_splits, blocks_per_split)``:
+One kernel body serves both cache layouts. The grid is ``(batch, kv_heads, num_splits, steps_per_split)``:
 
 * the query tile is one kv head's whole GQA group: its ``group`` query heads times ``q_len`` new tokens
   packed as rows (row ``r = g * q_len + i``; not padded, see :func:`_pack`), so the MXU sees a ``[rows, block_k]``
   score tile rather than one row per head — K and V are read once per kv head, never per query head;
-* split ``s`` walks key blocks ``s * blocks_per_split + j``; a contiguous cache copies ``[block_k, head_dim]``
-  slabs of ``[batch, kv_heads, max_len, head_dim]``, a paged one copies page ``block_table[b, p]`` of the pool
-  ``[num_pages, kv_heads, page_size, head_dim]`` (``block_k = page_size``);
+* step ``j`` of split ``s`` takes ``slots`` key blocks from block ``(s * steps_per_split + j) * slots`` on; a
+  contiguous cache copies one ``[block_k, head_dim]`` slab of ``[batch, kv_heads, max_len, head_dim]`` per step
+  (``slots = 1``), a paged one ``pages_per_step`` pages ``block_table[b, p]`` of the pool ``[num_pages, kv_heads,
+  page_size, head_dim]`` (``block_k = page_size``), each page its own operand — the same pool passed
+  ``pages_per_step`` times, each with its own index map — so that Pallas pipelines all of them and a step's
+  fixed cost is shared (pages are not contiguous, so one BlockSpec cannot gather them);
 * ``lengths`` (and the flattened block table) reach the index maps and the body by scalar prefetch (SMEM):
-  an index map clamps a block past the sequence's length to the last live block — the same block index as
-  the step before, so the pipeline issues no copy — and the body skips it (``pl.when``);
+  an index map clamps a block past the sequence's length to the last live block (each slot to its own,
+  :func:`_slot_block`) — the same block index as the step before, so the pipeline issues no copy — and the
+  body skips it (``pl.when``);
 * only a block that reaches the new tokens' diagonal is masked: query ``i`` sees key ``j`` when ``j <=
   length - q_len + i`` (bottom-right causal); in that block values past the length are zeroed, so stale
   cache contents (even NaN) never reach a row through ``0 * v``;
@@ -56,11 +60,12 @@ def query_rows(q_len: int, group: int, rows: int) -> jax.Array:
 
 
 def _decode_kernel(
-    *refs,  # prefetch: lengths [batch] (, block table [batch * pages_per_seq]); q [rows, d]; k [block_k, d];
-    # v [block_k, dv]; outputs o [rows, dv] (normalize) or m, l [rows, 128], acc [rows, dv]; scratch m, l, acc
+    *refs,  # prefetch: lengths [batch] (, block table [batch * pages_per_seq]); q [rows, d]; slots x k [block_k, d];
+    # slots x v [block_k, dv]; outputs o [rows, dv] (normalize) or m, l [rows, 128], acc [rows, dv]; scratch m, l, acc
     num_prefetch: int,
+    slots: int,
     block_k: int,
-    blocks_per_split: int,
+    steps_per_split: int,
     q_len: int,
     group: int,
     scale: float,
@@ -68,13 +73,14 @@ def _decode_kernel(
     normalize: bool,
 ):
     lengths_ref = refs[0]
-    q_ref, k_ref, v_ref, *rest = refs[num_prefetch:]
+    q_ref, *rest = refs[num_prefetch:]
+    k_refs, v_refs = rest[:slots], rest[slots:2 * slots]
     m_ref, l_ref, acc_ref = rest[-3:]
-    outputs = rest[:-3]
+    outputs = rest[2 * slots:-3]
     rows, value_dim = acc_ref.shape
     b, split, step = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     length = static_length if static_length is not None else lengths_ref[b]
-    start = (split * blocks_per_split + step) * block_k  # position of this block's first key
+    first_block = (split * steps_per_split + step) * slots  # this step's first key block in the sequence
 
     @pl.when(step == 0)
     def init():
@@ -82,9 +88,10 @@ def _decode_kernel(
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)  # [rows, 128]
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)  # [rows, dv]
 
-    def update(masked: bool):
-        s = base2_scores(q_ref[...], k_ref[...], scale)  # [rows, block_k]   base 2
-        v = v_ref[...]  # [block_k, dv]
+    def update(slot: int, start, masked: bool):
+        """One online-softmax update with key block ``slot`` of this step, whose first key is at ``start``."""
+        s = base2_scores(q_ref[...], k_refs[slot][...], scale)  # [rows, block_k]   base 2
+        v = v_refs[slot][...]  # [block_k, dv]
         if masked:
             col = lax.broadcasted_iota(jnp.int32, (rows, block_k), 1)  # [rows, block_k]
             position = length - q_len + (query_rows(q_len, group, rows) if q_len > 1 else 0)  # [rows, 1] or scalar
@@ -103,10 +110,12 @@ def _decode_kernel(
         pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)  # [rows, dv]
         acc_ref[...] = acc_ref[...] * lanes_to(alpha, value_dim) + pv  # [rows, dv]
 
-    live = start < length  # a block past the sequence is neither copied (index map) nor computed
-    plain = start + block_k <= length - q_len + 1  # every key of the block is visible to every row
-    pl.when(live & plain)(functools.partial(update, False))
-    pl.when(live & jnp.logical_not(plain))(functools.partial(update, True))
+    for slot in range(slots):  # unrolled: each block of the step is skipped, masked or plain on its own
+        start = (first_block + slot) * block_k  # position of the block's first key
+        live = start < length  # a block past the sequence is neither copied (index map) nor computed
+        plain = start + block_k <= length - q_len + 1  # every key of the block is visible to every row
+        pl.when(live & plain)(functools.partial(update, slot, start, False))
+        pl.when(live & jnp.logical_not(plain))(functools.partial(update, slot, start, True))
 
     @pl.when(step == pl.num_programs(3) - 1)
     def finalize():
@@ -156,21 +165,37 @@ def _last_live_block(length, block_k: int, num_blocks: int):
     return jnp.minimum(jnp.maximum(lax.div(length + block_k - 1, block_k) - 1, 0), num_blocks - 1)
 
 
-def _call(prefetch, q, k, v, kv_index_map, *, block_k: int, num_blocks: int, num_splits: int, q_len: int,
-          heads: int, scale: float, interpret, static_length: int | None, name: str):
-    """The pallas_call both layouts share: ``q [b, kv_heads, rows, d]`` packed; ``k``/``v`` the cache arrays,
-    read through ``kv_index_map(b, h, block, *prefetch_refs)`` (``block`` already clamped to the live blocks)."""
+def _slot_block(block, last, slot: int, slots: int):
+    """The key block slot ``slot`` copies when the step asks for ``block``: ``block`` while it is live, then the
+    slot's own last live block (``last - (last - slot) % slots``), so a dead step repeats each slot's previous
+    index and the pipeline copies nothing; ``last`` itself when the sequence ends before the slot's first block."""
+    if isinstance(last, int):
+        own_last = last - (last - slot) % slots if last >= slot else last
+        return jnp.minimum(block, own_last)
+    own_last = jnp.where(last >= slot, last - lax.rem(jnp.maximum(last - slot, 0), slots), last)
+    return jnp.minimum(block, own_last)
+
+
+def _call(prefetch, q, k, v, kv_index_map, *, block_k: int, num_blocks: int, slots: int, num_splits: int,
+          q_len: int, heads: int, scale: float, interpret, static_length: int | None, name: str):
+    """The pallas_call both layouts share: ``q [b, kv_heads, rows, d]`` packed; ``k``/``v`` the cache arrays, each
+    passed ``slots`` times (one operand per key block of a grid step: Pallas pipelines every one of them), read
+    through ``kv_index_map(b, h, block, *prefetch_refs)`` (``block`` already clamped to the live blocks)."""
     batch, kv_heads, rows, d = q.shape
     value_dim = v.shape[-1]
-    blocks_per_split = -(-num_blocks // num_splits)
+    num_steps = -(-num_blocks // slots)
+    steps_per_split = -(-num_steps // num_splits)
     normalize = num_splits == 1
 
     def length_of(b, prefetch_refs):
         return static_length if static_length is not None else prefetch_refs[0][b]
 
-    def kv_map(b, h, s, j, *prefetch_refs):
-        last = _last_live_block(length_of(b, prefetch_refs), block_k, num_blocks)
-        return kv_index_map(b, h, jnp.minimum(s * blocks_per_split + j, last), *prefetch_refs)
+    def slot_map(slot):
+        def kv_map(b, h, s, j, *prefetch_refs):
+            last = _last_live_block(length_of(b, prefetch_refs), block_k, num_blocks)
+            block = _slot_block((s * steps_per_split + j) * slots + slot, last, slot, slots)
+            return kv_index_map(b, h, block, *prefetch_refs)
+        return kv_map
 
     def q_map(b, h, s, j, *_):
         return b, h, 0, 0
@@ -179,8 +204,8 @@ def _call(prefetch, q, k, v, kv_index_map, *, block_k: int, num_blocks: int, num
         return b, h, s, 0, 0
 
     sq = pl.squeezed
-    k_spec = pl.BlockSpec((sq, sq, block_k, d), kv_map)
-    v_spec = pl.BlockSpec((sq, sq, block_k, value_dim), kv_map)
+    k_specs = [pl.BlockSpec((sq, sq, block_k, d), slot_map(i)) for i in range(slots)]
+    v_specs = [pl.BlockSpec((sq, sq, block_k, value_dim), slot_map(i)) for i in range(slots)]
     if normalize:
         out_shape = [jax.ShapeDtypeStruct((batch, kv_heads, rows, value_dim), q.dtype)]
         out_specs = [pl.BlockSpec((sq, sq, rows, value_dim), q_map)]
@@ -189,14 +214,14 @@ def _call(prefetch, q, k, v, kv_index_map, *, block_k: int, num_blocks: int, num
                      for width in (NUM_LANES, NUM_LANES, value_dim)]
         out_specs = [pl.BlockSpec((sq, sq, sq, rows, width), split_map) for width in (NUM_LANES, NUM_LANES, value_dim)]
     kernel = functools.partial(
-        _decode_kernel, num_prefetch=len(prefetch), block_k=block_k, blocks_per_split=blocks_per_split, q_len=q_len,
-        group=heads // kv_heads, scale=scale, static_length=static_length, normalize=normalize)
+        _decode_kernel, num_prefetch=len(prefetch), slots=slots, block_k=block_k, steps_per_split=steps_per_split,
+        q_len=q_len, group=heads // kv_heads, scale=scale, static_length=static_length, normalize=normalize)
     live_keys = batch * kv_heads * num_blocks * block_k  # an upper bound: every block of every sequence
     itemsize = jnp.dtype(k.dtype).itemsize
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=len(prefetch),
-        grid=(batch, kv_heads, num_splits, blocks_per_split),
-        in_specs=[pl.BlockSpec((sq, sq, rows, d), q_map), k_spec, v_spec],
+        grid=(batch, kv_heads, num_splits, steps_per_split),
+        in_specs=[pl.BlockSpec((sq, sq, rows, d), q_map), *k_specs, *v_specs],
         out_specs=out_specs,
         scratch_shapes=[
             pltpu.VMEM((rows, NUM_LANES), jnp.float32),  # m: running max (base 2), lane-replicated
@@ -216,7 +241,7 @@ def _call(prefetch, q, k, v, kv_index_map, *, block_k: int, num_blocks: int, num
         ),
         interpret=interpret,
         name=name,
-    )(*prefetch, q, k, v)
+    )(*prefetch, q, *[k] * slots, *[v] * slots)
     out = outputs[0] if normalize else merge_splits(*outputs).astype(q.dtype)  # [b, kv_heads, rows, dv]
     return _unpack(out, heads, q_len)
 
@@ -233,15 +258,16 @@ def decode_contiguous(q, k, v, lengths, *, block_k: int, num_splits: int, scale:
         return b, h, block, 0
 
     return _call((lengths.astype(jnp.int32),), _pack(q, kv_heads), k, v, kv_index_map, block_k=block_k,
-                 num_blocks=max_len // block_k, num_splits=num_splits, q_len=q_len, heads=heads, scale=scale,
+                 num_blocks=max_len // block_k, slots=1, num_splits=num_splits, q_len=q_len, heads=heads, scale=scale,
                  interpret=interpret, static_length=static_length, name="flash_decode")
 
 
-@functools.partial(jax.jit, static_argnames=("num_splits", "scale", "interpret", "static_length"))
+@functools.partial(jax.jit, static_argnames=("num_splits", "pages_per_step", "scale", "interpret", "static_length"))
 def decode_paged(q, k_pages, v_pages, block_table, lengths, *, num_splits: int, scale: float, interpret,
-                 static_length: int | None = None):
+                 pages_per_step: int = 1, static_length: int | None = None):
     """Decode over a paged cache: pool ``k_pages [num_pages, kv_heads, page_size, d]``, ``v_pages``, ``block_table
-    [b, pages_per_seq]``, ``lengths [b]``; one page per grid step, found through the table (scalar prefetch)."""
+    [b, pages_per_seq]``, ``lengths [b]``; ``pages_per_step`` pages per grid step, each its own pipelined operand
+    found through the table (scalar prefetch), so a step's fixed cost is paid once for all of them."""
     batch, heads, q_len, _ = q.shape
     num_pages, kv_heads, page_size, _ = k_pages.shape
     pages_per_seq = block_table.shape[1]
@@ -252,5 +278,5 @@ def decode_paged(q, k_pages, v_pages, block_table, lengths, *, num_splits: int, 
 
     prefetch = (lengths.astype(jnp.int32), block_table.astype(jnp.int32).reshape(-1))
     return _call(prefetch, _pack(q, kv_heads), k_pages, v_pages, page_index_map, block_k=page_size,
-                 num_blocks=pages_per_seq, num_splits=num_splits, q_len=q_len, heads=heads, scale=scale,
-                 interpret=interpret, static_length=static_length, name="flash_decode_paged")
+                 num_blocks=pages_per_seq, slots=pages_per_step, num_splits=num_splits, q_len=q_len, heads=heads,
+                 scale=scale, interpret=interpret, static_length=static_length, name="flash_decode_paged")
