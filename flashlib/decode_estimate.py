@@ -15,6 +15,12 @@ live — the work of a cache full to the brim. ``kind="guarded"`` estimates the 
 to show the artefact. The forward kernel cannot be profiled at ``q_len = 1``: its query is padded to a 16-row
 block (``jnp.pad``), and libtpu 0.0.50's profiler crashes on that bf16 kernel; it is estimated at ``q_len =
 16``, one whole block, which it pads ``q_len = 1`` to anyway (the same copies and matmuls).
+
+What the model does not bound: the HBM bandwidth of several copies in flight at once. A paged step copies
+``pages_per_step`` pages concurrently, and probing a contiguous kernel that copied four 512-key blocks per step
+(four operands, as the paged kernel does) gave 0.86x the floor at 4k keys and 0.70x at 64k: faster than the
+HBM allows. A row with ``pages_per_step > 1`` is therefore a lower bound on the kernel's cost against the floor
+(real time >= max(estimate, floor)); the one-copy-per-step contiguous rows are the honest ones.
 """
 
 from __future__ import annotations

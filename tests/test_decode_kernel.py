@@ -20,7 +20,7 @@ from jax.experimental.pallas import tpu as pltpu
 from peers import rules
 
 from flashlib import decode
-from flashlib.kernels import decode_attention
+from flashlib.kernels import decode_attention, tpu_decode
 from flashlib.kernels.decoding import default_block_k, default_num_splits, default_pages_per_step
 from flashlib.tpu_compile import compile_for_tpu
 
@@ -90,6 +90,7 @@ PAGED_CASES = [
     (2, 2, 1, 5, 16, 4, 32, F32, [3, 64], 1, None),  # length < q_len (blind rows); the default: all 4 pages a step
     (2, 1, 2, 1, 16, 4, 32, BF16, [40, 63], 4, 1),  # one page per split
     (2, 1, 4, 2, 16, 7, 32, F32, [100, 33], 2, 3),  # 3 pages a step over 7: the last step has 2 slots past the table
+    (2, 1, 8, 3, 128, 5, 32, BF16, [300, 129], 2, 2),  # 128-key pages, two a step: one update for both
 ]
 
 
@@ -115,12 +116,13 @@ def test_every_impl_of_the_entry_point_agrees():
         np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=2e-6, err_msg=impl)
 
 
-def test_stale_cache_and_bad_table_entries_past_the_length_never_reach_the_output():
+@pytest.mark.parametrize("page_size", [16, 128])  # pages updated one by one, and two 128-key pages together
+def test_stale_cache_and_bad_table_entries_past_the_length_never_reach_the_output(page_size):
     """Keys and values past each length are NaN (the live last block's tail and the whole pages after it), and
     the block table past a sequence's last page names pages that do not exist: the index maps clamp to the
     last live page (no wild copy) and the body neither computes a dead page nor lets a NaN value in."""
     rng = np.random.default_rng(4)
-    batch, page_size, pages_per_seq, lengths = 2, 16, 4, [20, 0]
+    batch, pages_per_seq, lengths = 2, 4, [page_size + 4, 0]
     cache = _paged(rng, batch, 1, page_size, pages_per_seq, 32, F32, lengths, spare_pages=0)
     table = np.asarray(cache.block_table)
     bad_table = table.copy()
@@ -152,6 +154,22 @@ def test_tpu_semantics_interpret_mode_with_race_detection(paged):
     options = {"pages_per_step": 2} if paged else {"block_k": 128}
     got = decode_attention(q, cache, num_splits=2, interpret=pltpu.InterpretParams(detect_races=True), **options)
     _check_rule(got, q, cache, RULE)
+
+
+@pytest.mark.parametrize("slots", [1, 2, 3])
+def test_each_slot_stops_at_its_own_last_live_block(slots):
+    """The index a slot copies, step after step: its blocks while they are live, then its last live block again
+    (the same index as the step before: no copy), never a block past the last live one — traced as the index
+    maps run it (lengths from SMEM) and with a Python ``last`` (static_length) alike."""
+    for last in range(7):
+        for slot in range(slots):
+            indices = [int(tpu_decode._slot_block(step * slots + slot, jnp.int32(last), slot, slots))
+                       for step in range(9)]
+            assert indices == [int(tpu_decode._slot_block(step * slots + slot, last, slot, slots)) for step in range(9)]
+            live = [step * slots + slot for step in range(9) if step * slots + slot <= last]
+            assert indices[:len(live)] == live and max(indices) <= last
+            copies = sum(a != b for a, b in zip(indices, indices[1:], strict=False))
+            assert copies == max(len(live) - 1, 0), (last, slot, indices)  # one copy per live block, none after
 
 
 def test_defaults_follow_the_shapes():
@@ -224,16 +242,17 @@ def test_flashattention_kvcache_and_splitkv_cases(q_len, kv_len, kv_heads, paged
 
 @pytest.mark.tpu
 @pytest.mark.parametrize("topology", ["v5e:1x1", "v6e:1x1"])
-@pytest.mark.parametrize("paged", [False, True])
-def test_decode_kernels_compile_for_tpu(topology, paged):
-    """bf16, GQA 4:1, three new tokens (the masked block and its row pattern), two splits (partials and merge)."""
+@pytest.mark.parametrize("page_size", [None, 64, 128])
+def test_decode_kernels_compile_for_tpu(topology, page_size):
+    """bf16, GQA 4:1, three new tokens (the masked block and its row pattern), two splits (partials and merge);
+    the paged cache four pages a step: pages of 64 keys one update each, of 128 keys one update together."""
     s = jax.ShapeDtypeStruct
-    if paged:
+    if page_size:
         def fn(q, k, v, table, lengths):
             return decode_attention(q, decode.PagedKVCache(k, v, table, lengths), num_splits=2, pages_per_step=4,
                                     interpret=False)
-        args = (s((2, 8, 3, 128), BF16), s((40, 2, 64, 128), BF16), s((40, 2, 64, 128), BF16), s((2, 16), jnp.int32),
-                s((2,), jnp.int32))
+        pool = s((40, 2, page_size, 128), BF16)
+        args = (s((2, 8, 3, 128), BF16), pool, pool, s((2, 16), jnp.int32), s((2,), jnp.int32))
     else:
         def fn(q, k, v, lengths):
             return decode_attention(q, decode.KVCache(k, v, lengths), num_splits=2, block_k=512, interpret=False)

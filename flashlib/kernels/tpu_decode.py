@@ -88,34 +88,45 @@ def _decode_kernel(
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)  # [rows, 128]
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)  # [rows, dv]
 
-    def update(slot: int, start, masked: bool):
-        """One online-softmax update with key block ``slot`` of this step, whose first key is at ``start``."""
-        s = base2_scores(q_ref[...], k_refs[slot][...], scale)  # [rows, block_k]   base 2
-        v = v_refs[slot][...]  # [block_k, dv]
+    def update(first: int, count: int, masked: bool):
+        """One online-softmax update with key blocks ``first .. first + count - 1`` of this step, as one block of
+        ``count * block_k`` keys: scores per block (one matmul each) side by side, one softmax update, then
+        ``p @ v`` per block summed."""
+        start = (first_block + first) * block_k  # position of the first key
+        width = count * block_k
+        q = q_ref[...]  # [rows, d]
+        scores = [base2_scores(q, k_refs[first + i][...], scale) for i in range(count)]  # count x [rows, block_k]
+        s = jnp.concatenate(scores, axis=1) if count > 1 else scores[0]  # [rows, width]   base 2
+        values = [v_refs[first + i][...] for i in range(count)]  # count x [block_k, dv]
         if masked:
-            col = lax.broadcasted_iota(jnp.int32, (rows, block_k), 1)  # [rows, block_k]
+            col = lax.broadcasted_iota(jnp.int32, (rows, width), 1)  # [rows, width]
             position = length - q_len + (query_rows(q_len, group, rows) if q_len > 1 else 0)  # [rows, 1] or scalar
-            visible = (col <= position - start) & (col < length - start)  # [rows, block_k]
-            s = jnp.where(visible, s, MASK_VALUE)  # [rows, block_k]
-            live_key = lax.broadcasted_iota(jnp.int32, (block_k, 1), 0) < length - start  # [block_k, 1]
-            v = jnp.where(live_key, v, jnp.zeros_like(v))  # [block_k, dv]   stale cache rows never reach acc
+            visible = (col <= position - start) & (col < length - start)  # [rows, width]
+            s = jnp.where(visible, s, MASK_VALUE)  # [rows, width]
+            key = lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)  # [block_k, 1]
+            # stale cache rows (past the length, or a dead block's repeated copy) never reach acc through 0 * v
+            values = [jnp.where(key < length - start - i * block_k, v, jnp.zeros_like(v)) for i, v in enumerate(values)]
         m_prev, l_prev = m_ref[...], l_ref[...]  # [rows, 128]
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))  # [rows, 128]
         alpha = jnp.exp2(m_prev - m_next)  # [rows, 128]
-        p = jnp.exp2(s - lanes_to(m_next, block_k))  # [rows, block_k]
+        p = jnp.exp2(s - lanes_to(m_next, width))  # [rows, width]
         if masked:  # a row that sees no key keeps m = MASK_VALUE, where exp2(s - m) = 1 on masked keys
-            p = p * visible.astype(p.dtype)  # [rows, block_k]   (multiplied, not selected, as in the forward)
+            p = p * visible.astype(p.dtype)  # [rows, width]   (multiplied, not selected, as in the forward)
         m_ref[...] = m_next
         l_ref[...] = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)  # [rows, 128]
-        pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)  # [rows, dv]
+        pv = sum(jnp.dot(p[:, i * block_k:(i + 1) * block_k].astype(v.dtype), v, preferred_element_type=jnp.float32)
+                 for i, v in enumerate(values))  # [rows, dv]
         acc_ref[...] = acc_ref[...] * lanes_to(alpha, value_dim) + pv  # [rows, dv]
 
-    for slot in range(slots):  # unrolled: each block of the step is skipped, masked or plain on its own
-        start = (first_block + slot) * block_k  # position of the block's first key
-        live = start < length  # a block past the sequence is neither copied (index map) nor computed
-        plain = start + block_k <= length - q_len + 1  # every key of the block is visible to every row
-        pl.when(live & plain)(functools.partial(update, slot, start, False))
-        pl.when(live & jnp.logical_not(plain))(functools.partial(update, slot, start, True))
+    # Blocks of a multiple of 128 keys are updated together (their scores join along lanes); narrower ones (a
+    # page of 16 keys) one at a time, each skipped, masked or plain on its own.
+    groups = [(0, slots)] if block_k % NUM_LANES == 0 else [(i, 1) for i in range(slots)]
+    for first, count in groups:
+        start = (first_block + first) * block_k  # position of the first key
+        live = start < length  # blocks past the sequence are neither copied (index map) nor computed
+        plain = start + count * block_k <= length - q_len + 1  # every key visible to every row
+        pl.when(live & plain)(functools.partial(update, first, count, False))
+        pl.when(live & jnp.logical_not(plain))(functools.partial(update, first, count, True))
 
     @pl.when(step == pl.num_programs(3) - 1)
     def finalize():
