@@ -37,7 +37,7 @@ from flashlib.reference import default_scale
 
 __all__ = ["KINDS", "cache_bytes", "decode_table", "estimate_decode", "hbm_floor_cycles"]
 
-KINDS = ("contiguous", "paged", "guarded", "forward")
+KINDS = ("contiguous", "paged", "guarded", "forward", "jax_paged")
 FORWARD_Q_LEN = 16  # the forward's smallest bf16 query block: q_len = 1 is padded to it
 
 
@@ -75,6 +75,15 @@ def paged_full(q, k_pages, v_pages, block_table, lengths, *, num_splits: int, pa
                                    static_length=full)
 
 
+def jax_paged(q, k_pages, v_pages, lengths, page_indices, *, pages_per_compute_block: int):
+    """JAX's own ``jax.experimental.pallas.ops.tpu.paged_attention`` (q ``[batch, heads, head_dim]``, pages
+    ``[kv_heads, total_pages, page_size, head_dim]``), scaled like flashlib (JAX's kernel takes q pre-scaled)."""
+    from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
+
+    return paged_attention(q * default_scale(q.shape[-1]), k_pages, v_pages, lengths, page_indices,
+                           pages_per_compute_block=pages_per_compute_block)
+
+
 def estimate_decode(kind: str = "contiguous", *, batch: int = 1, kv_len: int = 4096, heads: int = 32,
                     kv_heads: int = 4, head_dim: int = 128, dtype: str = "bfloat16", num_splits: int = 1,
                     block_k: int = 2048, page_size: int = 512, pages_per_step: int | None = None,
@@ -86,7 +95,10 @@ def estimate_decode(kind: str = "contiguous", *, batch: int = 1, kv_len: int = 4
     None: :func:`~flashlib.kernels.decoding.default_pages_per_step`; the pool holds exactly the batch's pages)
     are the decode kernels at full length; ``"guarded"`` the contiguous kernel reading
     ``lengths`` (the profiler's artefact); ``"forward"`` flashlib's attention forward at ``q_len =``
-    :data:`FORWARD_Q_LEN` (``block_k`` keys per copy in sub-blocks of 512; ``num_splits`` ignored). The row's
+    :data:`FORWARD_Q_LEN` (``block_k`` keys per copy in sub-blocks of 512; ``num_splits`` ignored);
+    ``"jax_paged"`` JAX's ``paged_attention`` (``pages_per_step`` pages per compute block; its copies and
+    compute all sit under guards reading ``lengths`` from SMEM, so the profiler credits them as never run:
+    it looks faster than the HBM allows, which says nothing about the kernel). The row's
     ``cycles`` are the total of every op compiled (the split merge included); ``kernel_cycles`` the Pallas
     kernel's alone; ``vs_floor`` is ``cycles / floor_cycles``.
     """
@@ -105,6 +117,14 @@ def estimate_decode(kind: str = "contiguous", *, batch: int = 1, kv_len: int = 4
                                           topology=topology, timeout=timeout, num_splits=num_splits,
                                           pages_per_step=pages_per_step)
         block_k = page_size
+    elif kind == "jax_paged":  # its guards and copies read lengths from SMEM: see the module's caveat
+        pages = kv_len // page_size
+        pages_per_step = pages_per_step or decoding.default_pages_per_step(page_size, pages)
+        pool = s((kv_heads, batch * pages, page_size, head_dim), dtype)
+        result = estimate.estimate_cycles(jax_paged, s((batch, heads, head_dim), dtype), pool, pool, lengths,
+                                          s((batch, pages), np.int32), topology=topology, timeout=timeout,
+                                          pages_per_compute_block=pages_per_step)
+        block_k = page_size
     elif kind == "forward":
         num_splits = 1
         result = estimate.estimate_cycles(estimate.flashlib_forward, q, kv, kv, topology=topology, timeout=timeout,
@@ -115,10 +135,11 @@ def estimate_decode(kind: str = "contiguous", *, batch: int = 1, kv_len: int = 4
         result = estimate.estimate_cycles(recipe, q, kv, kv, lengths, topology=topology, timeout=timeout,
                                           block_k=block_k, num_splits=num_splits)
     floor = hbm_floor_cycles(cache_bytes(batch, kv_heads, kv_len, head_dim, dtype), result.chip)
-    kernel = sum(c for name, c in result.kernels.items() if name.startswith(("flash_decode", "flash_attention")))
+    kernel = sum(c for name, c in result.kernels.items() if name.startswith(("flash_decode", "flash_attention",
+                                                                             "paged_attention")))
     return dict(kind=kind, topology=topology, batch=batch, kv_len=kv_len, heads=heads, kv_heads=kv_heads,
                 head_dim=head_dim, dtype=dtype, num_splits=num_splits, block_k=block_k,
-                pages_per_step=pages_per_step if kind == "paged" else None, cycles=result.total_cycles,
+                pages_per_step=pages_per_step if kind in ("paged", "jax_paged") else None, cycles=result.total_cycles,
                 kernel_cycles=kernel, floor_cycles=round(floor),
                 vs_floor=round(result.total_cycles / floor, 3), libtpu=result.libtpu_version)
 
@@ -126,8 +147,9 @@ def estimate_decode(kind: str = "contiguous", *, batch: int = 1, kv_len: int = 4
 def decode_table(kv_lens=(4096, 16384, 65536), batches=(1, 8), splits=(1, 2, 4, 8), *, block_k: int = 2048,
                  topology: str = "v5e:1x1", extra: bool = True, progress=None) -> list[dict[str, Any]]:
     """:func:`estimate_decode` over ``kv_lens x batches x splits`` (contiguous, ``block_k``), and with ``extra``
-    per (kv_len, batch) the forward kernel, plus a key-block sweep, the paged kernel and the guarded artefact
-    at the first shape. A configuration the toolchain refuses is a row with its ``status`` and no cycles."""
+    per (kv_len, batch) the forward kernel, plus a key-block sweep, the paged kernel, JAX's paged_attention and
+    the guarded artefact at the first shape. A configuration the toolchain refuses is a row with its ``status``
+    and no cycles."""
     plan: list[dict[str, Any]] = []
     for kv_len in kv_lens:
         for batch in batches:
@@ -140,6 +162,8 @@ def decode_table(kv_lens=(4096, 16384, 65536), batches=(1, 8), splits=(1, 2, 4, 
         plan += [dict(kind="contiguous", num_splits=1, block_k=b, **first) for b in (512, 1024, 4096) if b != block_k]
         plan += [dict(kind="paged", num_splits=1, page_size=p, pages_per_step=n, **first)
                  for p, n in ((128, 1), (128, 16), (512, 1), (512, 4))]
+        plan += [dict(kind="jax_paged", num_splits=1, page_size=p, pages_per_step=n, **first)
+                 for p, n in ((128, 16), (512, 4))]
         plan.append(dict(kind="guarded", num_splits=1, block_k=block_k, **first))
     rows = []
     for i, options in enumerate(plan):
