@@ -114,6 +114,9 @@ def test_every_impl_of_the_entry_point_agrees():
     for impl, options in (("pallas", {}), ("split_kv", {"num_splits": 3}), ("reference", {})):
         got = decode_attention(q, cache, impl=impl, interpret=True, **options)
         np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=2e-6, err_msg=impl)
+    # under jit, as a serving loop runs it: lengths and the table traced, read by the kernel from SMEM
+    jitted = jax.jit(lambda q, cache: decode_attention(q, cache, num_splits=2, pages_per_step=2, interpret=True))
+    np.testing.assert_allclose(np.asarray(jitted(q, cache), np.float64), want, atol=2e-6)
 
 
 @pytest.mark.parametrize("page_size", [16, 128])  # pages updated one by one, and two 128-key pages together
@@ -196,6 +199,10 @@ def test_defaults_follow_the_shapes():
     (dict(dtype=jnp.float16), r"q must be float32 or bfloat16"),
     (dict(cache_dtype=BF16), r"the cache's k and v must have q's dtype float32"),
     (dict(lengths=[3.0, 1.0]), r"lengths must be \[batch\] = \(2,\) ints"),
+    (dict(lengths=[3, 385]), r"lengths must be from 0 to the cache's capacity 384, got \[3, 385\]"),
+    (dict(paged=True, lengths=[-1, 9]), r"lengths must be from 0 to the cache's capacity 64"),
+    (dict(paged=True, table_entry=11), r"block_table\[1\] names pages \[.*11\] for its 9 keys, but the pool has pages "
+                                       r"0 to 10"),
 ])
 def test_bad_input_names_the_argument(change, message):
     rng = np.random.default_rng(6)
@@ -207,6 +214,8 @@ def test_bad_input_names_the_argument(change, message):
         cache, options = _contiguous(rng, 2, 1, 384, 32, cache_dtype, [3, 9]), {"block_k": 128, **change}
     if "lengths" in options:
         cache = cache._replace(lengths=jnp.asarray(options.pop("lengths")))
+    if "table_entry" in options:  # sequence 1's first page: live (9 keys)
+        cache = cache._replace(block_table=cache.block_table.at[1, 0].set(options.pop("table_entry")))
     q = jnp.zeros((2, 2, 1, 32), dtype)
     with pytest.raises(ValueError, match=message):
         decode_attention(q, cache, interpret=True, **options)

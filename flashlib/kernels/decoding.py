@@ -16,9 +16,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from flashlib import decode, env, hardware
-from flashlib.kernels.block_sizes import current_generation
+from flashlib import decode, env
 from flashlib.kernels.tpu_decode import decode_contiguous, decode_paged
 from flashlib.reference import default_scale
 from flashlib.tiling import NUM_LANES, pad_to_multiple
@@ -52,10 +52,11 @@ def default_pages_per_step(page_size: int, pages_per_seq: int) -> int:
 
 def default_num_splits(batch: int, kv_heads: int, num_blocks: int, cores: int | None = None) -> int:
     """Splits for a cache of ``num_blocks`` key blocks: the fewest that give each of the device's ``cores``
-    (None: the current chip's :attr:`~flashlib.hardware.TpuChip.cores_per_device`; 1 off a TPU) at least one
-    ``(batch, kv_head, split)`` unit of work, and 1 for a short cache (fewer than two blocks per split)."""
+    (None: the TPU device's ``num_cores``, 2 on a megacore v4 or v5p, else 1 — see
+    :attr:`flashlib.hardware.TpuChip.cores_per_device`; 1 off a TPU) at least one ``(batch, kv_head, split)``
+    unit of work, and 1 for a short cache (fewer than two blocks per split)."""
     if cores is None:
-        cores = hardware.CHIPS[current_generation()].cores_per_device if env.backend() == "tpu" else 1
+        cores = int(getattr(jax.devices()[0], "num_cores", 1) or 1) if env.backend() == "tpu" else 1
     wanted = -(-cores // (batch * kv_heads))
     return max(1, min(wanted, num_blocks // 2))
 
@@ -64,6 +65,27 @@ def _check_int(name: str, value: Any, low: int, high: int, hint: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise ValueError(f"{name} must be an int from {low} to {high} ({hint}), got {value!r}")
     return value
+
+
+def _check_concrete_lengths(cache: decode.KVCache | decode.PagedKVCache) -> None:
+    """Where ``lengths`` (and the block table) are concrete — not traced under ``jit`` — each length must fit
+    the cache, and a paged sequence's live pages must exist in the pool; traced values are trusted."""
+    if isinstance(cache.lengths, jax.core.Tracer):
+        return
+    lengths = np.asarray(cache.lengths)
+    paged = isinstance(cache, decode.PagedKVCache)
+    page_size = cache.k_pages.shape[2] if paged else 1
+    capacity = cache.block_table.shape[1] * page_size if paged else cache.k.shape[2]
+    if lengths.size and (lengths.min() < 0 or lengths.max() > capacity):
+        raise ValueError(f"lengths must be from 0 to the cache's capacity {capacity}, got {lengths.tolist()}")
+    if not paged or isinstance(cache.block_table, jax.core.Tracer):
+        return
+    table, num_pages = np.asarray(cache.block_table), cache.k_pages.shape[0]
+    for b, length in enumerate(lengths.tolist()):
+        live = table[b, : -(-length // page_size)]
+        if live.size and (live.min() < 0 or live.max() >= num_pages):
+            raise ValueError(f"block_table[{b}] names pages {live.tolist()} for its {length} keys, but the pool has "
+                             f"pages 0 to {num_pages - 1}")
 
 
 def decode_attention(q: jax.Array, cache: decode.KVCache | decode.PagedKVCache, *, impl: str = "pallas",
@@ -96,6 +118,7 @@ def decode_attention(q: jax.Array, cache: decode.KVCache | decode.PagedKVCache, 
     k = cache.k_pages if paged else cache.k
     if k.dtype != q.dtype or (cache.v_pages if paged else cache.v).dtype != q.dtype:
         raise ValueError(f"the cache's k and v must have q's dtype {q.dtype}: cast the cache, or q")
+    _check_concrete_lengths(cache)
     scale = default_scale(q.shape[-1]) if scale is None else float(scale)
     if impl == "reference":
         return decode.decode_reference(q, cache, scale=scale)
