@@ -83,6 +83,17 @@ def test_contiguous_cache_by_flashattentions_rule(batch, kv_heads, group, q_len,
     _check_rule(got, q, cache, RULE)
 
 
+def test_a_value_head_dim_of_its_own():
+    rng = np.random.default_rng(7)
+    k = jnp.asarray(rng.normal(size=(2, 2, 256, 64)), BF16)
+    v = jnp.asarray(rng.normal(size=(2, 2, 256, 128)), BF16)
+    cache = decode.KVCache(k, v, jnp.asarray([200, 7], jnp.int32))
+    q = jnp.asarray(rng.normal(size=(2, 4, 2, 64)), BF16)
+    got = decode_attention(q, cache, block_k=128, num_splits=2, interpret=True)
+    assert got.shape == (2, 4, 2, 128)
+    _check_rule(got, q, cache, RULE)
+
+
 # (batch, kv_heads, group, q_len, page_size, pages_per_seq, d, dtype, lengths, num_splits, pages_per_step)
 PAGED_CASES = [
     (3, 2, 2, 1, 16, 5, 64, F32, [80, 17, 0], 2, 2),  # full pages; one key into a page; an empty sequence
