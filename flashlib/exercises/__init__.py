@@ -20,6 +20,7 @@ module                      notebook  what the learner writes
 ``flash_kernel``            06        the forward kernel's body, causal skipping with a clamped index map
 ``backward``                07        the dK/dV kernel with causal skipping, the dQ kernel
 ``performance``             08        block sizes chosen by the compiler's estimate under a VMEM budget
+``decoding``                10        the output from split-KV states, the page a paged index map copies
 ==========================  ========  ======================================================================
 
 Where a module would pass 400 lines, its teaching solutions (what ``Puzzle.solution`` points at, and what the
