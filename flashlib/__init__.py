@@ -14,15 +14,15 @@ Modules, one concept each, in layers (a module imports only from its layer or be
   ids, the features an implementation declares), ``hardware`` (TPU facts with sources),
   ``env``, ``data``, ``release``, ``tpu_compile``, ``provenance``, ``progress``, ``llo_dump``, ``viz``;
 * algorithms — ``reference`` (naive, float64 oracle), ``blockwise`` (+ ``blockwise_backward``), ``xla``,
-  ``checks``, ``cost``;
+  ``checks``, ``cost``, ``decode``;
 * the Pallas backend — ``kernels`` (``tuned_table``, ``block_sizes``, ``options``, ``candidates``, ``scores``,
-  ``tpu_forward``, ``backward_kernels``, ``tpu_backward``, ``attention``);
+  ``tpu_forward``, ``backward_kernels``, ``tpu_backward``, ``attention``, ``tpu_decode``, ``decoding``);
 * beyond one chip — ``sharded`` (batch/head sharding of any impl with ``shard_map``), ``ring_plan`` (the
   ring's layout, schedule and cost), ``ring_workers`` and ``ring`` (ring attention over a sequence axis:
   ``ppermute``, the merge identity, zig-zag load balance), ``slice_compile`` (in the ground layer: compile for
   a multi-chip TPU slice, read its collectives);
 * this package (the public surface);
-* measurement — ``estimate``, ``perf_data``;
+* measurement — ``estimate``, ``perf_data``, ``decode_estimate``;
 * top — ``tuning``, ``bench``, ``perf_plots``, ``widgets`` (``viz`` and ``widgets`` need the notebook extras,
   matplotlib and ipywidgets, and are imported on demand: ``from flashlib import viz``), ``exercises`` (the
   learner's puzzles and exercises, one module per notebook; nothing in the library imports them).

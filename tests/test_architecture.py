@@ -35,7 +35,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (  # bottom up
         "flashlib.sharded", "flashlib.ring_plan", "flashlib.ring_workers", "flashlib.ring",
     )),
     ("the public surface", ("flashlib",)),
-    ("measurement: static estimates, the performance lab's tables", ("flashlib.estimate", "flashlib.perf_data")),
+    ("measurement: static estimates, the performance lab's tables", ("flashlib.estimate", "flashlib.perf_data",
+                                                                  "flashlib.decode_estimate")),
     ("top: tuning sweep, benchmark, plots, widgets, the learner's puzzles and exercises (they check every stage)", (
         "flashlib.tuning", "flashlib.bench", "flashlib.perf_plots", "flashlib.widgets",
         "flashlib.exercises", "flashlib.exercises.*",

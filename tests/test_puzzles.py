@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "notebooks"))
 import make_hint_cells  # noqa: E402
 
-MINIMUM = {"01": 1, "02": 1, "03": 2, "04": 1, "05": 2, "06": 2, "07": 2, "08": 1, "09": 2, "11": 1}
+MINIMUM = {"01": 1, "02": 1, "03": 2, "04": 1, "05": 2, "06": 2, "07": 2, "08": 1, "09": 2, "10": 2, "11": 1}
 
 
 def _notebook_puzzles() -> dict[str, list[tuple[int, str, str]]]:

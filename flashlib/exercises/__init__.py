@@ -22,6 +22,7 @@ module                      notebook  what the learner writes
 ``performance``             08        block sizes chosen by the compiler's estimate under a VMEM budget
 ``variants``                09        the element rule of causal + window + segments, a soft-cap and a sink in
                                       the forward kernel, a block's kind under a window
+``decoding``                10        the output from split-KV states, the page a paged index map copies
 ``scaling_out``             11        one ring-attention step (merge by log-sum-exp), the causal imbalance
 ==========================  ========  ======================================================================
 

@@ -8,7 +8,9 @@
 * ``scores``: what every kernel makes its scores and row statistics with;
 * ``tpu_forward``: the forward kernel; ``backward_kernels``: the dK/dV, fused dK/dV/dQ and dQ kernels;
   ``tpu_backward``: the backward pass that runs them (D, padding, which kernels);
-* ``attention``: their differentiable union, registered as ``impl="pallas"`` on import.
+* ``attention``: their differentiable union, registered as ``impl="pallas"`` on import;
+* ``tpu_decode``: the decode kernels (split-KV over a contiguous or paged KV cache); ``decoding``:
+  :func:`decode_attention`, decoding's entry point (kernels or :mod:`flashlib.decode`'s pure-JAX stages).
 
 The tiling rule's numbers and the causal geometry are the ground's (:mod:`flashlib.tiling`,
 :mod:`flashlib.geometry`); they are re-exported here for the notebooks."""
@@ -16,6 +18,7 @@ The tiling rule's numbers and the causal geometry are the ground's (:mod:`flashl
 from flashlib.geometry import MASK_VALUE
 from flashlib.kernels.attention import HIGHER_ORDER_MESSAGE, flash_attention
 from flashlib.kernels.block_sizes import BlockSizes
+from flashlib.kernels.decoding import decode_attention
 from flashlib.kernels.tpu_backward import flash_attention_backward
 from flashlib.kernels.tpu_forward import flash_attention_forward
 from flashlib.tiling import NUM_LANES, NUM_SUBLANES
@@ -26,6 +29,7 @@ __all__ = [
     "NUM_LANES",
     "NUM_SUBLANES",
     "BlockSizes",
+    "decode_attention",
     "flash_attention",
     "flash_attention_backward",
     "flash_attention_forward",
