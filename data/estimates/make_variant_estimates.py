@@ -56,8 +56,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--topology", default="v5e:1x1")
     parser.add_argument("--lengths", default="2048,4096,8192,16384,32768")
+    parser.add_argument("--out", type=Path, default=None, help="default: variants_<generation>.csv beside this script")
     args = parser.parse_args()
-    out = Path(__file__).with_name(f"variants_{args.topology.split(':')[0]}.csv")
+    out = args.out or Path(__file__).with_name(f"variants_{args.topology.split(':')[0]}.csv")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     with out.open("w", newline="") as f:
         f.write(f"# static cycle estimates (libtpu --xla_jf_dump_static_llo_profile_to), target {args.topology}\n")
