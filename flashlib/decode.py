@@ -16,21 +16,24 @@ The contract:
 * bottom-right causal among the new tokens: query ``i`` of sequence ``b`` sits at position ``lengths[b] -
   q_len + i`` and sees keys ``j <= lengths[b] - q_len + i``; positions ``>= lengths[b]`` are never seen.
   A query whose position is negative (a sequence shorter than ``q_len``) sees no key and returns zeros;
-* GQA: ``kv_heads`` divides ``heads`` (query head ``h`` reads kv head ``h // (heads // kv_heads)``).
+* GQA: ``kv_heads`` divides ``heads`` (query head ``h`` reads kv head ``h // (heads // kv_heads)``);
+* the variants of :mod:`flashlib.masks` that decoding models use: ``softcap`` (scores ``c tanh(s / c)``) and a
+  sliding ``window=(left, right)`` — causal already, so a query at position ``p`` sees keys ``p - left .. p``.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flashlib.masks import check_window
 from flashlib.reference import SoftmaxState, default_scale, merge_states, state_from_scores, state_output
 
-__all__ = ["KVCache", "PagedKVCache", "check_cache", "contiguous", "decode_oracle", "decode_reference",
-           "decode_split_kv", "split_bounds"]
+__all__ = ["KVCache", "PagedKVCache", "check_cache", "check_variants", "contiguous", "decode_oracle",
+           "decode_reference", "decode_split_kv", "split_bounds"]
 
 
 class KVCache(NamedTuple):
@@ -93,16 +96,31 @@ def contiguous(cache: KVCache | PagedKVCache) -> KVCache:
     return KVCache(gather(cache.k_pages), gather(cache.v_pages), jnp.asarray(cache.lengths))
 
 
-def _visible(q_len: int, max_len: int, lengths: jax.Array, start: int = 0, stop: int | None = None) -> jax.Array:
-    """``[batch, q_len, stop - start]``: query ``i`` sees key ``j`` (in ``[start, stop)``) of its sequence."""
+def check_variants(softcap: Any = None, window: Any = None) -> tuple[float | None, int | None]:
+    """``(softcap, left)`` checked: decoding takes :mod:`flashlib.masks`' soft-cap and sliding window. Decoding
+    is causal, so only the window's left side narrows anything (query ``i`` at position ``p`` sees keys ``p -
+    left <= j <= p``); a right side is accepted and has no effect."""
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float, np.number))
+                                or not np.isfinite(softcap) or softcap <= 0):
+        raise ValueError(f"softcap must be a positive finite number (Gemma-2 uses 50.0), got {softcap!r}")
+    window = check_window(window)
+    return (None if softcap is None else float(softcap)), (None if window is None else window[0])
+
+
+def _visible(q_len: int, max_len: int, lengths: jax.Array, start: int = 0, stop: int | None = None,
+             left: int | None = None) -> jax.Array:
+    """``[batch, q_len, stop - start]``: query ``i`` sees key ``j`` (in ``[start, stop)``) of its sequence (within
+    ``left`` keys of its own position, with a window)."""
     stop = max_len if stop is None else stop
     lengths = jnp.asarray(lengths)[:, None, None]  # [b, 1, 1]
     q_pos = lengths - q_len + jnp.arange(q_len)[None, :, None]  # [b, q, 1]
     kv_pos = jnp.arange(start, stop)[None, None, :]  # [1, 1, k]
-    return (kv_pos <= q_pos) & (kv_pos < lengths)
+    visible = (kv_pos <= q_pos) & (kv_pos < lengths)
+    return visible if left is None else visible & (kv_pos >= q_pos - left)
 
 
-def _partial_state(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array, scale: float) -> SoftmaxState:
+def _partial_state(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array, scale: float,
+                   softcap: float | None = None) -> SoftmaxState:
     """The softmax state of queries ``q [b, h, q, d]`` over keys ``k [b, hk, n, d]`` (``visible [b, q, n]``),
     a group's query heads folded as rows of one tile per kv head: ``[b, hk, g * q_len, ...]``."""
     batch, heads, q_len, d = q.shape
@@ -110,6 +128,8 @@ def _partial_state(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array,
     group = heads // kv_heads
     rows = q.reshape(batch, kv_heads, group * q_len, d)  # [b, hk, g*q, d]   the group's heads as rows
     s = jnp.einsum("bnrd,bnkd->bnrk", rows, k, preferred_element_type=jnp.float32) * scale  # [b, hk, g*q, k]
+    if softcap is not None:
+        s = softcap * jnp.tanh(s / softcap)  # [b, hk, g*q, k]
     mask = jnp.tile(visible, (1, group, 1))[:, None]  # [b, 1, g*q, k]
     return state_from_scores(s, v.astype(jnp.float32), mask)
 
@@ -119,13 +139,16 @@ def _unfold(out: jax.Array, heads: int) -> jax.Array:
     return out.reshape(batch, heads, rows // (heads // kv_heads), dv)
 
 
-def decode_reference(q: jax.Array, cache: KVCache | PagedKVCache, *, scale: float | None = None) -> jax.Array:
-    """Decoding attention in one piece (every cached key at once): ``[batch, heads, q_len, v_head_dim]``."""
+def decode_reference(q: jax.Array, cache: KVCache | PagedKVCache, *, scale: float | None = None,
+                     softcap: float | None = None, window=None) -> jax.Array:
+    """Decoding attention in one piece (every cached key at once): ``[batch, heads, q_len, v_head_dim]``;
+    ``softcap`` and ``window`` as in :func:`check_variants`."""
     check_cache(q, cache)
+    softcap, left = check_variants(softcap, window)
     cache = contiguous(cache)
     scale = default_scale(q.shape[-1]) if scale is None else scale
-    visible = _visible(q.shape[2], cache.k.shape[2], cache.lengths)
-    state = _partial_state(q, cache.k, cache.v, visible, scale)
+    visible = _visible(q.shape[2], cache.k.shape[2], cache.lengths, left=left)
+    state = _partial_state(q, cache.k, cache.v, visible, scale, softcap)
     return _unfold(state_output(state), q.shape[1]).astype(q.dtype)
 
 
@@ -138,19 +161,21 @@ def split_bounds(max_len: int, num_splits: int) -> list[tuple[int, int]]:
 
 
 def decode_split_kv(q: jax.Array, cache: KVCache | PagedKVCache, *, num_splits: int, scale: float | None = None,
-                    return_states: bool = False):
+                    return_states: bool = False, softcap: float | None = None, window=None):
     """Flash-decoding in pure JAX: one partial state per key split (independent: on a TPU they run in
     parallel), then the states merged — pairwise, as a balanced tree — into the output.
 
     With ``return_states`` also returns the per-split states (``[b, hk, g*q_len]`` rows), for the notebook."""
     check_cache(q, cache)
+    softcap, left = check_variants(softcap, window)
     cache = contiguous(cache)
     scale = default_scale(q.shape[-1]) if scale is None else scale
     q_len, max_len = q.shape[2], cache.k.shape[2]
     states = []
     for start, stop in split_bounds(max_len, num_splits):
-        visible = _visible(q_len, max_len, cache.lengths, start, stop)  # [b, q, stop - start]
-        states.append(_partial_state(q, cache.k[:, :, start:stop], cache.v[:, :, start:stop], visible, scale))
+        visible = _visible(q_len, max_len, cache.lengths, start, stop, left)  # [b, q, stop - start]
+        states.append(_partial_state(q, cache.k[:, :, start:stop], cache.v[:, :, start:stop], visible, scale,
+                                     softcap))
     level = list(states)
     while len(level) > 1:  # a balanced tree of merges: depth ceil(log2(num_splits))
         merged = [merge_states(a, b) for a, b in zip(level[::2], level[1::2], strict=False)]
@@ -159,10 +184,13 @@ def decode_split_kv(q: jax.Array, cache: KVCache | PagedKVCache, *, num_splits: 
     return (out, states) if return_states else out
 
 
-def decode_oracle(q, cache: KVCache | PagedKVCache, *, scale: float | None = None) -> np.ndarray:
+def decode_oracle(q, cache: KVCache | PagedKVCache, *, scale: float | None = None, softcap: float | None = None,
+                  window=None) -> np.ndarray:
     """The float64 NumPy answer, sequence by sequence: plain attention over that sequence's ``lengths[b]``
-    cached keys, bottom-right causal (what the contract's positions mean, written without them)."""
+    cached keys, bottom-right causal (what the contract's positions mean, written without them); with a
+    window only the ``left`` keys before each query's own, with a soft-cap its scores capped."""
     check_cache(q, cache)
+    softcap, left = check_variants(softcap, window)
     cache = contiguous(cache)
     q = np.asarray(q, np.float64)
     k, v = np.asarray(cache.k, np.float64), np.asarray(cache.v, np.float64)
@@ -174,9 +202,12 @@ def decode_oracle(q, cache: KVCache | PagedKVCache, *, scale: float | None = Non
         for h in range(heads):
             for i in range(q_len):
                 last = length - q_len + i  # this query's own position: it sees keys 0..last
+                first = 0 if left is None else max(last - left, 0)  # (a window: only the last left + 1)
                 if last < 0:
                     continue
-                s = scale * k[b, h // group, : last + 1] @ q[b, h, i]  # [last + 1]
+                s = scale * k[b, h // group, first: last + 1] @ q[b, h, i]  # [last + 1 - first]
+                if softcap is not None:
+                    s = softcap * np.tanh(s / softcap)
                 p = np.exp(s - s.max())
-                out[b, h, i] = p @ v[b, h // group, : last + 1] / p.sum()
+                out[b, h, i] = p @ v[b, h // group, first: last + 1] / p.sum()
     return out

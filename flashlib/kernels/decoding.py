@@ -90,7 +90,8 @@ def _check_concrete_lengths(cache: decode.KVCache | decode.PagedKVCache) -> None
 
 def decode_attention(q: jax.Array, cache: decode.KVCache | decode.PagedKVCache, *, impl: str = "pallas",
                      num_splits: int | None = None, block_k: int | None = None, pages_per_step: int | None = None,
-                     scale: float | None = None, interpret: Any = None) -> jax.Array:
+                     scale: float | None = None, interpret: Any = None, softcap: float | None = None,
+                     window=None) -> jax.Array:
     """Decoding attention: ``q [batch, heads, q_len, head_dim]`` (the newest tokens, already in the cache)
     against ``cache`` (:class:`flashlib.decode.KVCache` or :class:`~flashlib.decode.PagedKVCache`), bottom-right
     causal; ``[batch, heads, q_len, v_head_dim]`` in q's dtype (:mod:`flashlib.decode` states the contract).
@@ -108,10 +109,15 @@ def decode_attention(q: jax.Array, cache: decode.KVCache | decode.PagedKVCache, 
       scale: softmax temperature, default ``1/sqrt(head_dim)``.
       interpret: as for the attention kernels: None compiles on a TPU and interprets elsewhere; False forces
         the compiled path (for an ahead-of-time compile); True or a ``pltpu.InterpretParams`` interprets.
+      softcap: scores become ``softcap * tanh(s / softcap)`` (Gemma-2).
+      window: ``(left, right)``: a query at position ``p`` sees keys ``p - left .. p`` (decoding is causal, so the
+        right side changes nothing); the kernels neither copy nor compute the blocks before the window.
     """
     if impl not in DECODE_IMPLS:
         raise ValueError(f"impl must be one of {', '.join(map(repr, DECODE_IMPLS))}, got {impl!r}")
     decode.check_cache(q, cache)
+    softcap, left = decode.check_variants(softcap, window)
+    variants = {"softcap": softcap, "window": None if left is None else (left, 0)}
     if jnp.dtype(q.dtype) not in (jnp.float32, jnp.bfloat16):
         raise ValueError(f"q must be float32 or bfloat16, got {q.dtype}")
     paged = isinstance(cache, decode.PagedKVCache)
@@ -121,7 +127,7 @@ def decode_attention(q: jax.Array, cache: decode.KVCache | decode.PagedKVCache, 
     _check_concrete_lengths(cache)
     scale = default_scale(q.shape[-1]) if scale is None else float(scale)
     if impl == "reference":
-        return decode.decode_reference(q, cache, scale=scale)
+        return decode.decode_reference(q, cache, scale=scale, **variants)
     batch, kv_heads = q.shape[0], k.shape[1]
     if paged:
         if block_k is not None:
@@ -146,7 +152,7 @@ def decode_attention(q: jax.Array, cache: decode.KVCache | decode.PagedKVCache, 
     if impl == "split_kv":
         keys = cache.block_table.shape[1] * block_k if paged else k.shape[2]
         splits = 1 if num_splits is None else _check_int("num_splits", num_splits, 1, keys, "at most one per key")
-        return decode.decode_split_kv(q, cache, num_splits=splits, scale=scale)
+        return decode.decode_split_kv(q, cache, num_splits=splits, scale=scale, **variants)
     if num_splits is None:
         num_splits = default_num_splits(batch, kv_heads, num_blocks)
     unit = f"grid steps of {pages_per_step} page(s)" if paged else f"key blocks of {block_k}"
@@ -154,8 +160,9 @@ def decode_attention(q: jax.Array, cache: decode.KVCache | decode.PagedKVCache, 
     interpret = env.interpret_default() if interpret is None else interpret
     if paged:
         return decode_paged(q, cache.k_pages, cache.v_pages, cache.block_table, cache.lengths,
-                            num_splits=num_splits, pages_per_step=pages_per_step, scale=scale, interpret=interpret)
+                            num_splits=num_splits, pages_per_step=pages_per_step, scale=scale, interpret=interpret,
+                            softcap=softcap, left=left)
     k_cache = pad_to_multiple(cache.k, 2, block_k)  # a copy only when max_len is not a multiple of block_k
     v_cache = pad_to_multiple(cache.v, 2, block_k)
     return decode_contiguous(q, k_cache, v_cache, cache.lengths, block_k=block_k, num_splits=num_splits,
-                             scale=scale, interpret=interpret)
+                             scale=scale, interpret=interpret, softcap=softcap, left=left)

@@ -20,6 +20,10 @@ One kernel body serves both cache layouts. The grid is ``(batch, kv_heads, num_s
 * only a block that reaches the new tokens' diagonal is masked: query ``i`` sees key ``j`` when ``j <=
   length - q_len + i`` (bottom-right causal); in that block values past the length are zeroed, so stale
   cache contents (even NaN) never reach a row through ``0 * v``;
+* the variants decoding models use: a soft-cap on the base-2 scores (:func:`flashlib.kernels.variants.soft_cap`)
+  and a sliding window's left edge — blocks wholly before the first new token's window are neither copied
+  (each slot's index map raises them to its first live block) nor computed, and the block the window starts
+  in is masked, its values before the window zeroed like those past the length;
 * each split ends with its partial state ``(m, l, acc)`` — ``m`` in base 2, ``m`` and ``l`` lane-replicated
   ``[rows, 128]`` as in :mod:`flashlib.kernels.tpu_forward` — and :func:`merge_splits` merges them with
   notebook 03's identity (:func:`flashlib.reference.merge_states`) in plain JAX; with one split the kernel
@@ -43,6 +47,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from flashlib.geometry import MASK_VALUE
 from flashlib.kernels.scores import LN_2, base2_scores, lanes_to
+from flashlib.kernels.variants import soft_cap
 from flashlib.reference import SoftmaxState, merge_states, state_output
 from flashlib.tiling import NUM_LANES
 
@@ -71,6 +76,8 @@ def _decode_kernel(
     scale: float,
     static_length: int | None,
     normalize: bool,
+    softcap: float | None = None,
+    left: int | None = None,
 ):
     lengths_ref = refs[0]
     q_ref, *rest = refs[num_prefetch:]
@@ -97,15 +104,22 @@ def _decode_kernel(
         q = q_ref[...]  # [rows, d]
         scores = [base2_scores(q, k_refs[first + i][...], scale) for i in range(count)]  # count x [rows, block_k]
         s = jnp.concatenate(scores, axis=1) if count > 1 else scores[0]  # [rows, width]   base 2
+        if softcap is not None:
+            s, _ = soft_cap(s, softcap)  # [rows, width]
         values = [v_refs[first + i][...] for i in range(count)]  # count x [block_k, dv]
         if masked:
             col = lax.broadcasted_iota(jnp.int32, (rows, width), 1)  # [rows, width]
             position = length - q_len + (query_rows(q_len, group, rows) if q_len > 1 else 0)  # [rows, 1] or scalar
             visible = (col <= position - start) & (col < length - start)  # [rows, width]
+            if left is not None:  # a sliding window: only the last left + 1 keys up to the query's own
+                visible &= col >= position - left - start
             s = jnp.where(visible, s, MASK_VALUE)  # [rows, width]
             key = lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)  # [block_k, 1]
-            # stale cache rows (past the length, or a dead block's repeated copy) never reach acc through 0 * v
-            values = [jnp.where(key < length - start - i * block_k, v, jnp.zeros_like(v)) for i, v in enumerate(values)]
+            # stale cache rows (past the length, or a dead block's repeated copy) never reach acc through 0 * v,
+            # nor (a window) the rows before the first new token's window
+            lowest = 0 if left is None else length - q_len - left  # the first key any row may see
+            values = [jnp.where((key < length - start - i * block_k) & (key >= lowest - start - i * block_k), v,
+                                jnp.zeros_like(v)) for i, v in enumerate(values)]
         m_prev, l_prev = m_ref[...], l_ref[...]  # [rows, 128]
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))  # [rows, 128]
         alpha = jnp.exp2(m_prev - m_next)  # [rows, 128]
@@ -125,6 +139,9 @@ def _decode_kernel(
         start = (first_block + first) * block_k  # position of the first key
         live = start < length  # blocks past the sequence are neither copied (index map) nor computed
         plain = start + count * block_k <= length - q_len + 1  # every key visible to every row
+        if left is not None:  # and blocks before the window of the first new token (the index maps clamp too)
+            live &= start + count * block_k - 1 >= length - q_len - left
+            plain &= start >= length - 1 - left
         pl.when(live & plain)(functools.partial(update, first, count, False))
         pl.when(live & jnp.logical_not(plain))(functools.partial(update, first, count, True))
 
@@ -176,19 +193,36 @@ def _last_live_block(length, block_k: int, num_blocks: int):
     return jnp.minimum(jnp.maximum(lax.div(length + block_k - 1, block_k) - 1, 0), num_blocks - 1)
 
 
-def _slot_block(block, last, slot: int, slots: int):
+def _first_live_block(length, q_len: int, left: int | None, block_k: int):
+    """The first block a window lets any new token see (0 without a window): the first token, at position
+    ``length - q_len``, sees keys from ``length - q_len - left`` on."""
+    if left is None:
+        return 0
+    if isinstance(length, int):
+        return max(length - q_len - left, 0) // block_k
+    return lax.div(jnp.maximum(length - q_len - left, 0), block_k)
+
+
+def _slot_block(block, last, slot: int, slots: int, first=0):
     """The key block slot ``slot`` copies when the step asks for ``block``: ``block`` while it is live, then the
     slot's own last live block (``last - (last - slot) % slots``), so a dead step repeats each slot's previous
-    index and the pipeline copies nothing; ``last`` itself when the sequence ends before the slot's first block."""
+    index and the pipeline copies nothing; ``last`` itself when the sequence ends before the slot's first block.
+    With a window, a block before ``first`` (the first live one) is raised to the slot's first block from
+    ``first`` on, so the dead steps before the window repeat one index too."""
+    if isinstance(first, int):
+        own_first = first + (slot - first) % slots
+    else:  # lax.rem keeps the dividend's sign: shift it to [0, slots)
+        own_first = first + lax.rem(lax.rem(slot - first, slots) + slots, slots)
     if isinstance(last, int):
         own_last = last - (last - slot) % slots if last >= slot else last
-        return jnp.minimum(block, own_last)
-    own_last = jnp.where(last >= slot, last - lax.rem(jnp.maximum(last - slot, 0), slots), last)
-    return jnp.minimum(block, own_last)
+    else:
+        own_last = jnp.where(last >= slot, last - lax.rem(jnp.maximum(last - slot, 0), slots), last)
+    return jnp.minimum(jnp.maximum(block, own_first), own_last)
 
 
 def _call(prefetch, q, k, v, kv_index_map, *, block_k: int, num_blocks: int, slots: int, num_splits: int,
-          q_len: int, heads: int, scale: float, interpret, static_length: int | None, name: str):
+          q_len: int, heads: int, scale: float, interpret, static_length: int | None, name: str,
+          softcap: float | None = None, left: int | None = None):
     """The pallas_call both layouts share: ``q [b, kv_heads, rows, d]`` packed; ``k``/``v`` the cache arrays, each
     passed ``slots`` times (one operand per key block of a grid step: Pallas pipelines every one of them), read
     through ``kv_index_map(b, h, block, *prefetch_refs)`` (``block`` already clamped to the live blocks)."""
@@ -203,8 +237,10 @@ def _call(prefetch, q, k, v, kv_index_map, *, block_k: int, num_blocks: int, slo
 
     def slot_map(slot):
         def kv_map(b, h, s, j, *prefetch_refs):
-            last = _last_live_block(length_of(b, prefetch_refs), block_k, num_blocks)
-            block = _slot_block((s * steps_per_split + j) * slots + slot, last, slot, slots)
+            length = length_of(b, prefetch_refs)
+            last = _last_live_block(length, block_k, num_blocks)
+            first = _first_live_block(length, q_len, left, block_k)
+            block = _slot_block((s * steps_per_split + j) * slots + slot, last, slot, slots, first)
             return kv_index_map(b, h, block, *prefetch_refs)
         return kv_map
 
@@ -226,7 +262,8 @@ def _call(prefetch, q, k, v, kv_index_map, *, block_k: int, num_blocks: int, slo
         out_specs = [pl.BlockSpec((sq, sq, sq, rows, width), split_map) for width in (NUM_LANES, NUM_LANES, value_dim)]
     kernel = functools.partial(
         _decode_kernel, num_prefetch=len(prefetch), slots=slots, block_k=block_k, steps_per_split=steps_per_split,
-        q_len=q_len, group=heads // kv_heads, scale=scale, static_length=static_length, normalize=normalize)
+        q_len=q_len, group=heads // kv_heads, scale=scale, static_length=static_length, normalize=normalize,
+        softcap=softcap, left=left)
     live_keys = batch * kv_heads * num_blocks * block_k  # an upper bound: every block of every sequence
     itemsize = jnp.dtype(k.dtype).itemsize
     grid_spec = pltpu.PrefetchScalarGridSpec(
@@ -257,9 +294,10 @@ def _call(prefetch, q, k, v, kv_index_map, *, block_k: int, num_blocks: int, slo
     return _unpack(out, heads, q_len)
 
 
-@functools.partial(jax.jit, static_argnames=("block_k", "num_splits", "scale", "interpret", "static_length"))
+@functools.partial(jax.jit, static_argnames=("block_k", "num_splits", "scale", "interpret", "static_length",
+                                             "softcap", "left"))
 def decode_contiguous(q, k, v, lengths, *, block_k: int, num_splits: int, scale: float, interpret,
-                      static_length: int | None = None):
+                      static_length: int | None = None, softcap: float | None = None, left: int | None = None):
     """Decode over a contiguous cache ``k [b, kv_heads, max_len, d]`` (``max_len`` a multiple of ``block_k``),
     ``v [..., dv]``, ``lengths [b]``; settings already checked (:func:`flashlib.kernels.decode_attention`)."""
     batch, heads, q_len, _ = q.shape
@@ -270,12 +308,14 @@ def decode_contiguous(q, k, v, lengths, *, block_k: int, num_splits: int, scale:
 
     return _call((lengths.astype(jnp.int32),), _pack(q, kv_heads), k, v, kv_index_map, block_k=block_k,
                  num_blocks=max_len // block_k, slots=1, num_splits=num_splits, q_len=q_len, heads=heads, scale=scale,
-                 interpret=interpret, static_length=static_length, name="flash_decode")
+                 interpret=interpret, static_length=static_length, name="flash_decode", softcap=softcap, left=left)
 
 
-@functools.partial(jax.jit, static_argnames=("num_splits", "pages_per_step", "scale", "interpret", "static_length"))
+@functools.partial(jax.jit, static_argnames=("num_splits", "pages_per_step", "scale", "interpret", "static_length",
+                                             "softcap", "left"))
 def decode_paged(q, k_pages, v_pages, block_table, lengths, *, num_splits: int, scale: float, interpret,
-                 pages_per_step: int = 1, static_length: int | None = None):
+                 pages_per_step: int = 1, static_length: int | None = None, softcap: float | None = None,
+                 left: int | None = None):
     """Decode over a paged cache: pool ``k_pages [num_pages, kv_heads, page_size, d]``, ``v_pages``, ``block_table
     [b, pages_per_seq]``, ``lengths [b]``; ``pages_per_step`` pages per grid step, each its own pipelined operand
     found through the table (scalar prefetch), so a step's fixed cost is paid once for all of them."""
@@ -290,4 +330,5 @@ def decode_paged(q, k_pages, v_pages, block_table, lengths, *, num_splits: int, 
     prefetch = (lengths.astype(jnp.int32), block_table.astype(jnp.int32).reshape(-1))
     return _call(prefetch, _pack(q, kv_heads), k_pages, v_pages, page_index_map, block_k=page_size,
                  num_blocks=pages_per_seq, slots=pages_per_step, num_splits=num_splits, q_len=q_len, heads=heads,
-                 scale=scale, interpret=interpret, static_length=static_length, name="flash_decode_paged")
+                 scale=scale, interpret=interpret, static_length=static_length, name="flash_decode_paged",
+                 softcap=softcap, left=left)
