@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flashlib import env
-from flashlib.masks import FEATURES, check_window
+from flashlib.masks import FEATURES, check_softcap, check_window
 
 __all__ = [
     "LAYOUTS",
@@ -239,10 +239,7 @@ def validate_variants(
     if window is not None:
         given["window"] = check_window(window)
     if softcap is not None:
-        if isinstance(softcap, bool) or not (isinstance(softcap, (int, float, np.floating, np.integer))
-                                             and np.isfinite(softcap) and softcap > 0):
-            raise ValueError(f"softcap must be a positive finite number (Gemma-2 uses 50.0), got {softcap!r}")
-        given["softcap"] = float(softcap)
+        given["softcap"] = check_softcap(softcap)
     if segment_ids is not None:
         if not (isinstance(segment_ids, (tuple, list)) and len(segment_ids) == 2):
             raise ValueError("segment_ids must be a pair (q_segments [batch, q_len], kv_segments [batch, kv_len]) "

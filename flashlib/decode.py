@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flashlib.masks import check_window
+from flashlib.masks import check_softcap, check_window
 from flashlib.reference import SoftmaxState, default_scale, merge_states, state_from_scores, state_output
 
 __all__ = ["KVCache", "PagedKVCache", "check_cache", "check_variants", "contiguous", "decode_oracle",
@@ -100,11 +100,8 @@ def check_variants(softcap: Any = None, window: Any = None) -> tuple[float | Non
     """``(softcap, left)`` checked: decoding takes :mod:`flashlib.masks`' soft-cap and sliding window. Decoding
     is causal, so only the window's left side narrows anything (query ``i`` at position ``p`` sees keys ``p -
     left <= j <= p``); a right side is accepted and has no effect."""
-    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float, np.number))
-                                or not np.isfinite(softcap) or softcap <= 0):
-        raise ValueError(f"softcap must be a positive finite number (Gemma-2 uses 50.0), got {softcap!r}")
     window = check_window(window)
-    return (None if softcap is None else float(softcap)), (None if window is None else window[0])
+    return check_softcap(softcap), (None if window is None else window[0])
 
 
 def _visible(q_len: int, max_len: int, lengths: jax.Array, start: int = 0, stop: int | None = None,

@@ -31,8 +31,8 @@ from jax import lax
 
 from flashlib.geometry import causal_visible
 
-__all__ = ["FEATURES", "Window", "check_window", "element_visible", "segment_block_table", "segments_visible",
-           "window_visible"]
+__all__ = ["FEATURES", "Window", "check_softcap", "check_window", "element_visible", "segment_block_table",
+           "segments_visible", "window_visible"]
 
 Window = tuple[int | None, int | None]
 
@@ -63,6 +63,16 @@ def check_window(window: Any) -> Window | None:
             raise ValueError(f"window's {side} side must be an int >= 0 or None (unbounded), got {value!r}")
         sides.append(int(value))
     return (sides[0], sides[1])
+
+
+def check_softcap(softcap: Any) -> float | None:
+    """``softcap`` as a float (``None`` stays ``None``), or a ``ValueError`` naming the fix."""
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not (isinstance(softcap, (int, float, np.floating, np.integer))
+                                         and np.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"softcap must be a positive finite number (Gemma-2 uses 50.0), got {softcap!r}")
+    return float(softcap)
 
 
 def window_visible(q_pos, kv_pos, *, q_len: int, kv_len: int, window: Window):
