@@ -404,10 +404,18 @@ def bundle_stats(fn: Callable[..., Any] | str, *args: Any, topology: str = "v5e:
 
 def flashlib_forward(q, k, v, *, causal: bool, block_q: int, block_k: int, generation: str | None = None,
                      block_k_major: int | None = None, window: tuple[int | None, int | None] | None = None):
-    """flashlib's Pallas forward kernel, compiled (not interpreted), with the given blocks (and window)."""
+    """flashlib's Pallas forward kernel, compiled (not interpreted), with the given blocks (and window).
+
+    With GQA the query heads a step packs travel as separate 2-D operands (``separate_heads``: the static
+    profiler reads no kernel whose blocks have three dimensions); the stack of their outputs afterwards is
+    its own op in the estimate (:attr:`CycleEstimate.kernels`), which the kernel as shipped does not run."""
     sizes = BlockSizes(block_q=block_q, block_k=block_k, generation=generation, block_k_major=block_k_major)
-    return flashlib.attention(q, k, v, causal=causal, impl="pallas", interpret=False, block_sizes=sizes,
-                              window=window)
+    if k.shape[1] == q.shape[1]:
+        return flashlib.attention(q, k, v, causal=causal, impl="pallas", interpret=False, block_sizes=sizes,
+                                  window=window)
+    sizes = sizes.fit(q.shape[2], k.shape[2], q.dtype)
+    return tpu_forward.forward(q, k, v, causal=causal, scale=q.shape[-1] ** -0.5, sizes=sizes, interpret=False,
+                               return_lse=False, variants=KernelVariants(window=window), separate_heads=True)
 
 
 def flashlib_segments_forward(q, k, v, q_segments, kv_segments, *, causal: bool, block_q: int, block_k: int,

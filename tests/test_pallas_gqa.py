@@ -5,6 +5,8 @@ v6e by libtpu."""
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,7 +17,9 @@ import flashlib
 from flashlib import checks
 from flashlib.kernels import BlockSizes
 from flashlib.kernels.tpu_backward import flash_attention_backward
-from flashlib.kernels.tpu_forward import flash_attention_forward
+from flashlib.kernels import tpu_forward
+from flashlib.kernels.block_sizes import vmem_limit_bytes
+from flashlib.kernels.tpu_forward import flash_attention_forward, heads_per_step
 from flashlib.tpu_compile import compile_for_tpu
 
 BF16 = jnp.bfloat16
@@ -92,6 +96,43 @@ def test_k_and_v_are_never_repeated_in_hbm():
     for shapes in calls:  # every kernel takes (q, k, v, ...); the fused one k^T last
         kv_operands = shapes[1:3] + (shapes[6:7] if len(shapes) == 7 else [])
         assert all(s[1] == 2 for s in kv_operands) and shapes[0][1] == 8, shapes
+
+
+def test_a_grid_step_takes_the_whole_group_when_it_fits():
+    """heads_per_step: all of a group's query heads share one k/v copy when their q, out, lse and state fit
+    VMEM; else the largest divisor of the group that fits (never a non-divisor, never over the budget)."""
+    bf16 = jnp.dtype(BF16)
+    assert heads_per_step(1, BlockSizes(512, 512, generation="v5e"), 128, bf16) == 1  # MHA
+    assert heads_per_step(4, BlockSizes(512, 512, generation="v5e"), 128, bf16) == 4
+    for group in (2, 3, 4, 6, 8, 16):
+        for sizes in (BlockSizes(1024, 512, generation="v5e"), BlockSizes(512, 512, generation="v5e"),
+                      BlockSizes(1024, 1024, generation="v6e")):
+            pack = heads_per_step(group, sizes, 128, bf16)
+            limit = vmem_limit_bytes(sizes.generation)
+            assert group % pack == 0 and sizes.vmem_bytes(128, bf16, heads_per_step=pack) <= limit
+            larger = [p for p in range(pack + 1, group + 1) if group % p == 0]
+            assert all(sizes.vmem_bytes(128, bf16, heads_per_step=p) > limit for p in larger), (group, sizes)
+    assert heads_per_step(16, BlockSizes(1024, 512, generation="v5e"), 128, bf16) < 16  # 16 heads do not fit
+
+
+@pytest.mark.parametrize("pack", [None, 2])
+def test_packed_heads_compute_what_one_head_per_step_computes(pack, monkeypatch):
+    """A step computing 4 (or, forced, 2) heads of a group against one k/v copy — as [heads, ...] blocks or as
+    separate 2-D operands — gives the one-head-per-step kernel's out and lse bit for bit (same tiles, same order),
+    with sinks and a value head_dim of its own."""
+    if pack is not None:
+        monkeypatch.setattr(tpu_forward, "heads_per_step", lambda group, *args: math.gcd(group, pack))
+    rng = np.random.default_rng(3)
+    q = jnp.asarray(rng.normal(size=(1, 8, 72 + (pack or 0), 32)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(1, 2, 136, d)), jnp.float32) for d in (32, 16))
+    sinks = jnp.asarray(rng.normal(size=(8,)), jnp.float32)
+    settings = dict(causal=True, scale=0.2, sizes=BlockSizes(block_q=32, block_k=128), interpret=True,
+                    return_lse=True, variants=tpu_forward.KernelVariants(sinks=True))
+    one_per_step = tpu_forward.forward(q, jnp.repeat(k, 4, 1), jnp.repeat(v, 4, 1), None, sinks, **settings)
+    for separate_heads in (False, True):
+        packed = tpu_forward.forward(q, k, v, None, sinks, separate_heads=separate_heads, **settings)
+        for got, want in zip(packed, one_per_step, strict=True):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 @pytest.mark.tpu

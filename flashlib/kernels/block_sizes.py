@@ -261,7 +261,7 @@ class BlockSizes:
                 raise ValueError(f"head_dim={head_dim} is too large: even the smallest blocks overflow VMEM")
         return sizes
 
-    def vmem_bytes(self, head_dim: int, dtype, kernel: str = "forward") -> int:
+    def vmem_bytes(self, head_dim: int, dtype, kernel: str = "forward", heads_per_step: int = 1) -> int:
         """Estimated scoped VMEM of one grid step of ``kernel`` (``"forward"``, ``"dkv"``, ``"dq"``), in bytes.
 
         Forward:
@@ -277,6 +277,10 @@ class BlockSizes:
           with ``block_k_major``, ``n + 1/2`` tiles for ``n`` sub-blocks when that is more (the old compiler
           keeps one per unrolled sub-block).
 
+        ``heads_per_step`` (forward only): the query heads of a GQA group one grid step computes against one
+        k/v block (:func:`flashlib.kernels.tpu_forward.heads_per_step`): q, out, lse, the scratch and the
+        ``p @ v`` tile are per head; k, v and the score tiles (the heads run one after another) are not.
+
         The backward kernels (:meth:`_backward_vmem_bytes`) count the same kinds of buffer.
 
         ``head_dim`` is padded to whole lanes (VMEM may store ``[rows, 64]`` as ``[rows, 128]``). The count
@@ -288,16 +292,17 @@ class BlockSizes:
             return self._backward_vmem_bytes(head_dim, dtype, kernel)
         itemsize = np.dtype(dtype).itemsize
         lanes = round_up(head_dim, NUM_LANES)
+        rows = heads_per_step * self.block_q  # query rows of all the step's heads
         double_buffered = 2 * (
-            self.block_q * lanes * itemsize  # q
+            rows * lanes * itemsize  # q
             + 2 * self.kv_step * lanes * itemsize  # k, v
-            + self.block_q * lanes * itemsize  # out
-            + self.block_q * NUM_LANES * F32_BYTES  # lse
+            + rows * lanes * itemsize  # out
+            + rows * NUM_LANES * F32_BYTES  # lse
         )
-        scratch = (2 * self.block_q * NUM_LANES + self.block_q * lanes) * F32_BYTES  # m, l, acc
+        scratch = (2 * rows * NUM_LANES + rows * lanes) * F32_BYTES  # m, l, acc
         sub_blocks = self.kv_step // self.block_k
         half_tiles = max(2 * _SCORE_TILES, _HALF_TILES_PER_SUB_BLOCK * sub_blocks + _EXTRA_HALF_TILES)
-        temporaries = (half_tiles * self.block_q * self.block_k // 2 + self.block_q * lanes) * F32_BYTES
+        temporaries = (half_tiles * self.block_q * self.block_k // 2 + rows * lanes) * F32_BYTES
         return double_buffered + scratch + temporaries
 
     def _backward_vmem_bytes(self, head_dim: int, dtype, kernel: str) -> int:

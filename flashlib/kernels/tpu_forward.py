@@ -28,11 +28,18 @@ window reaches (``geometry.visited_block``, ``geometry.fetched_block``), so the 
 as the sequences grow. Soft-capping applies ``C tanh(s / C)`` to the base-2 scores; segment ids come in as
 lane- and sublane-replicated id tiles and mask every visited block; a sink starts each row's running state
 (``m = sink``, ``l = 1``); ``v`` may have its own head_dim, which the accumulator and output take.
+
+Grouped-query attention: the heads axis of the grid walks groups of query heads (:func:`heads_per_step`: the
+whole group when it fits VMEM), and a step runs the body once per head of its group against the one k/v copy
+it made — so k and v cross HBM once per group rather than once per query head, and the grid has ``1/group``
+of the steps. Each head keeps its own q, out, lse and running state (:class:`_HeadRefs`); the element mask is
+built once per sub-block and shared.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +50,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from flashlib import cost, geometry
 from flashlib.geometry import MASK_VALUE
-from flashlib.kernels.block_sizes import BlockSizes
+from flashlib.kernels.block_sizes import BlockSizes, vmem_limit_bytes
 from flashlib.kernels.options import resolve_call
 from flashlib.kernels.scores import LN_2, LOG2_E, base2_scores, lanes_to, sublanes_to
 from flashlib.kernels.variants import (
@@ -57,13 +64,15 @@ from flashlib.kernels.variants import (
 )
 from flashlib.tiling import NUM_LANES, NUM_SUBLANES, pad_to_multiple
 
-__all__ = ["flash_attention_forward", "forward", "natural_lse"]
+__all__ = ["flash_attention_forward", "forward", "heads_per_step", "natural_lse"]
 
 def _forward_kernel(
     *refs,  # (segment ids: the block tables live, fetch [b * nq * n_steps] int32 in SMEM, scalar-prefetched);
             # q [block_q, head_dim], k [block_k_major, head_dim], v [block_k_major, v_head_dim]; (segment ids
             # q [block_q, 128], kv [8, block_k_major] int32); (sink [8, 128] f32); outputs o [block_q, v_head_dim]
-            # (, lse [block_q, 128] f32); scratch m, l [block_q, 128], acc [block_q, v_head_dim]
+            # (, lse [block_q, 128] f32); scratch m, l [block_q, 128], acc [block_q, v_head_dim] for each head.
+            # With `heads` > 1 (GQA): q, sink, o, lse are [heads, ...] blocks, or `heads` operands each
+            # (`separate_heads`); m, l, acc are `heads` scratch buffers each.
     causal: bool,
     scale: float,
     block_k: int,
@@ -73,17 +82,34 @@ def _forward_kernel(
     return_lse: bool,
     variants: KernelVariants,
     num_kv_steps: int,
+    heads: int,
+    separate_heads: bool,
 ):
     refs = list(refs)
-    live_ref, _ = (refs.pop(0), refs.pop(0)) if variants.uses_tables else (None, None)
-    q_ref, k_ref, v_ref = refs.pop(0), refs.pop(0), refs.pop(0)
-    q_seg_ref, kv_seg_ref = (refs.pop(0), refs.pop(0)) if variants.segments else (None, None)
-    sink_ref = refs.pop(0) if variants.sinks else None
-    if return_lse:
-        o_ref, lse_ref, m_ref, l_ref, acc_ref = refs
-    else:
-        (o_ref, m_ref, l_ref, acc_ref), lse_ref = refs, None
-    block_q, head_dim = q_ref.shape
+
+    def take(count: int) -> list:
+        taken = refs[:count]
+        del refs[:count]
+        return taken
+
+    def each_head(present: bool = True) -> list:  # one ref per head: its own operand, or its slot of a [heads, ...] block
+        if not present:
+            return [None] * heads
+        if separate_heads or heads == 1:
+            return take(heads)
+        (ref,) = take(1)
+        return [_HeadSlot(ref, j) for j in range(heads)]
+
+    live_ref, _ = take(2) if variants.uses_tables else (None, None)
+    q_refs = each_head()
+    k_ref, v_ref = take(2)
+    q_seg_ref, kv_seg_ref = take(2) if variants.segments else (None, None)
+    sink_refs, o_refs, lse_refs = each_head(variants.sinks), each_head(), each_head(return_lse)
+    m_refs, l_refs, acc_refs = take(heads), take(heads), take(heads)
+    # GQA: `heads` query heads of one group share this step's k/v block; each has its own q, out, lse and state.
+    per_head = [_HeadRefs(*refs_of_head) for refs_of_head in
+                zip(q_refs, o_refs, lse_refs, m_refs, l_refs, acc_refs, sink_refs, strict=True)]
+    block_q = m_refs[0].shape[0]
     v_head_dim = v_ref.shape[1]
     kv_step_len = k_ref.shape[0]
     num_sub_blocks = kv_step_len // block_k
@@ -106,25 +132,32 @@ def _forward_kernel(
 
     @pl.when(pl.program_id(3) == 0)
     def init():
-        if sink_ref is None:
-            m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)  # [block_q, 128]
-            l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)  # [block_q, 128]
-        else:  # the sink is a key of value 0 seen first: m = sink, l = exp2(sink - m) = 1
-            m_ref[...] = sublanes_to(sink_ref[...], block_q)  # [block_q, 128]
-            l_ref[...] = jnp.ones(l_ref.shape, jnp.float32)  # [block_q, 128]
-        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)  # [block_q, v_head_dim]
+        for head in per_head:
+            if head.sink is None:
+                head.m[...] = jnp.full(head.m.shape, MASK_VALUE, jnp.float32)  # [block_q, 128]
+                head.l[...] = jnp.zeros(head.l.shape, jnp.float32)  # [block_q, 128]
+            else:  # the sink is a key of value 0 seen first: m = sink, l = exp2(sink - m) = 1
+                head.m[...] = sublanes_to(head.sink[...], block_q)  # [block_q, 128]
+                head.l[...] = jnp.ones(head.l.shape, jnp.float32)  # [block_q, 128]
+            head.acc[...] = jnp.zeros(head.acc.shape, jnp.float32)  # [block_q, v_head_dim]
 
     def body(sub_block: int, kv_block, masked: bool, row_chunk: int = 0, chunk_rows: int = block_q):
         """One online-softmax update: rows ``[row_chunk * chunk_rows, +chunk_rows)`` of the query block
-        against key sub-block ``sub_block`` of this step (``kv_block`` in the whole sequence)."""
+        against key sub-block ``sub_block`` of this step (``kv_block`` in the whole sequence), for each head."""
         rows = slice(row_chunk * chunk_rows, (row_chunk + 1) * chunk_rows)
         keys = slice(sub_block * block_k, (sub_block + 1) * block_k)
-        q = q_ref[rows, :]  # [chunk_rows, head_dim]
         k = k_ref[keys, :]  # [block_k, head_dim]
+        visible = None  # the element mask: built for the first head, the same for the others
+        for head in per_head:
+            visible = update(head, rows, keys, k, kv_block, masked, row_chunk, chunk_rows, visible)
+
+    def update(head: _HeadRefs, rows: slice, keys: slice, k, kv_block, masked: bool, row_chunk: int,
+               chunk_rows: int, visible):
+        q = head.q[rows, :]  # [chunk_rows, head_dim]
         s = base2_scores(q, k, scale)  # [chunk_rows, block_k]   base 2
         if variants.softcap is not None:
             s, _ = soft_cap(s, variants.softcap)  # [chunk_rows, block_k]
-        if masked:
+        if masked and visible is None:
             shape = (chunk_rows, block_k)
             row = lax.broadcasted_iota(jnp.int32, shape, 0)  # [chunk_rows, block_k]
             col = lax.broadcasted_iota(jnp.int32, shape, 1)  # [chunk_rows, block_k]
@@ -142,19 +175,21 @@ def _forward_kernel(
                 q_ids = lanes_to(q_seg_ref[rows, :], block_k)  # [chunk_rows, block_k]
                 kv_ids = sublanes_to(kv_seg_ref[:, keys], chunk_rows)  # [chunk_rows, block_k]
                 visible &= q_ids == kv_ids
+        if masked:
             s = jnp.where(visible, s, MASK_VALUE)  # [chunk_rows, block_k]
 
-        m_prev, l_prev = m_ref[rows, :], l_ref[rows, :]  # [chunk_rows, 128]
+        m_prev, l_prev = head.m[rows, :], head.l[rows, :]  # [chunk_rows, 128]
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))  # [chunk_rows, 128]
         alpha = jnp.exp2(m_prev - m_next)  # [chunk_rows, 128]   rescales what was accumulated so far
         p = jnp.exp2(s - lanes_to(m_next, block_k))  # [chunk_rows, block_k]
         if masked and has_blind_rows:
             p = p * visible.astype(p.dtype)  # [chunk_rows, block_k]   (a select here crashes libtpu's profiler)
-        m_ref[rows, :] = m_next
-        l_ref[rows, :] = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)  # [chunk_rows, 128]
+        head.m[rows, :] = m_next
+        head.l[rows, :] = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)  # [chunk_rows, 128]
         v = v_ref[keys, :]  # [block_k, v_head_dim]
         pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)  # [chunk_rows, v_head_dim]
-        acc_ref[rows, :] = acc_ref[rows, :] * lanes_to(alpha, v_head_dim) + pv  # [chunk_rows, v_head_dim]
+        head.acc[rows, :] = head.acc[rows, :] * lanes_to(alpha, v_head_dim) + pv  # [chunk_rows, v_head_dim]
+        return visible
 
     # A causal diagonal sub-block is split into square [block_k, block_k] row chunks when the query block is
     # taller: the chunks above the diagonal are skipped, those below it need no mask.
@@ -170,13 +205,13 @@ def _forward_kernel(
         if num_sub_blocks > 1 and has_padding:  # a sub-block of padding alone (the step was padded to whole copies)
             block_visible &= kv_block * block_k < kv_len
         needs_mask = True if variants.segments else geometry.block_needs_mask(q_block, kv_block, **block_geometry)
-        update = functools.partial(body, sub_block, kv_block)
+        run = functools.partial(body, sub_block, kv_block)
         if variants.segments:  # ids are data: every visited block builds the mask
-            pl.when(block_visible)(functools.partial(update, True))
+            pl.when(block_visible)(functools.partial(run, True))
             continue
-        pl.when(block_visible & ~needs_mask)(functools.partial(update, False))
+        pl.when(block_visible & ~needs_mask)(functools.partial(run, False))
         if not split_rows:
-            pl.when(block_visible & needs_mask)(functools.partial(update, True))
+            pl.when(block_visible & needs_mask)(functools.partial(run, True))
             continue
         chunk_geometry = dict(block_geometry, block_q=block_k)
         for chunk in range(num_chunks):  # the same three kinds again, for each row chunk of a masked block
@@ -184,16 +219,48 @@ def _forward_kernel(
             chunk_visible = block_visible & needs_mask & geometry.block_is_visible(
                 chunk_block, kv_block, **chunk_geometry)
             chunk_needs_mask = geometry.block_needs_mask(chunk_block, kv_block, **chunk_geometry)
-            pl.when(chunk_visible & chunk_needs_mask)(functools.partial(update, True, chunk, block_k))
-            pl.when(chunk_visible & ~chunk_needs_mask)(functools.partial(update, False, chunk, block_k))
+            pl.when(chunk_visible & chunk_needs_mask)(functools.partial(run, True, chunk, block_k))
+            pl.when(chunk_visible & ~chunk_needs_mask)(functools.partial(run, False, chunk, block_k))
 
     @pl.when(pl.program_id(3) == pl.num_programs(3) - 1)
     def finalize():
-        l = l_ref[...]  # noqa: E741  [block_q, 128]
-        l_safe = jnp.where(l == 0.0, 1.0, l)  # [block_q, 128]   a row that saw no key: acc = 0 -> out = 0
-        o_ref[...] = (acc_ref[...] * lanes_to(1.0 / l_safe, v_head_dim)).astype(o_ref.dtype)  # [block_q, dv]
-        if lse_ref is not None:  # in base 2, as the backward recomputes its scores: lse2 = m + log2(l)
-            lse_ref[...] = m_ref[...] + jnp.log(l) * LOG2_E  # [block_q, 128]   log(0) = -inf: a row that saw no key
+        for head in per_head:
+            l = head.l[...]  # noqa: E741  [block_q, 128]
+            l_safe = jnp.where(l == 0.0, 1.0, l)  # [block_q, 128]   a row that saw no key: acc = 0 -> out = 0
+            head.o[...] = (head.acc[...] * lanes_to(1.0 / l_safe, v_head_dim)).astype(head.o.dtype)  # [block_q, dv]
+            if head.lse is not None:  # in base 2, as the backward recomputes its scores: lse2 = m + log2(l)
+                head.lse[...] = head.m[...] + jnp.log(l) * LOG2_E  # [block_q, 128]   log(0) = -inf: a blind row
+
+
+class _HeadSlot:
+    """Head ``j`` of a ``[heads, ...]`` ref, indexed like a ref of its own (``slot[rows, :]`` is ``ref[j, rows, :]``)."""
+
+    def __init__(self, ref, j: int):
+        self.ref, self.j = ref, j
+        self.shape, self.dtype = ref.shape[1:], ref.dtype
+
+    def _index(self, index):
+        return (self.j, *(index if isinstance(index, tuple) else (index,)))
+
+    def __getitem__(self, index):
+        return self.ref[self._index(index)]
+
+    def __setitem__(self, index, value):
+        self.ref[self._index(index)] = value
+
+
+class _HeadRefs(NamedTuple):
+    """One query head's refs in a grid step (GQA packs several): q ``[block_q, head_dim]``, out ``[block_q,
+    v_head_dim]``, lse ``[block_q, 128]`` (or None), the scratch m, l ``[block_q, 128]`` and acc ``[block_q,
+    v_head_dim]``, and its sink tile ``[8, 128]`` (or None)."""
+
+    q: Any
+    o: Any
+    lse: Any
+    m: Any
+    l: Any  # noqa: E741
+    acc: Any
+    sink: Any
 
 
 def flash_attention_forward(
@@ -239,20 +306,38 @@ def natural_lse(result: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Arr
     out, lse2 = result
     return out, lse2 * LN_2
 
+def heads_per_step(group: int, sizes: BlockSizes, head_dim: int, dtype) -> int:
+    """How many query heads of a GQA group one grid step of the forward computes against its k/v block: the
+    largest divisor of ``group`` (query heads per kv head; 1 for MHA) whose q, out, lse and scratch fit the
+    VMEM budget beside the step's k/v (:meth:`BlockSizes.vmem_bytes`). All ``group`` heads, when they fit: k
+    and v then cross HBM once per group instead of once per query head (``1/group`` of MHA's reads)."""
+    limit = vmem_limit_bytes(sizes.generation)
+    fitting = [p for p in range(group, 0, -1) if group % p == 0
+               and sizes.vmem_bytes(head_dim, dtype, heads_per_step=p) <= limit]
+    return fitting[0] if fitting else 1
+
+
 @functools.partial(jax.jit, static_argnames=("causal", "scale", "sizes", "interpret", "return_lse", "out_dtype",
-                                             "variants"))
+                                             "variants", "separate_heads"))
 def forward(q, k, v, segment_ids=None, sinks=None, *, causal: bool, scale: float, sizes: BlockSizes, interpret,
-            return_lse: bool, out_dtype=None, variants: KernelVariants = PLAIN):
+            return_lse: bool, out_dtype=None, variants: KernelVariants = PLAIN, separate_heads: bool = False):
     """The forward kernel on resolved, static settings: ``out``, and with ``return_lse`` the row
     log-sum-exp of the base-2 scores, ``lse2 = lse * log2(e)`` ``[b, h, q_len]`` f32 — the residual the
     backward kernels take as it is (:func:`natural_lse` converts it for a caller). ``out_dtype`` (None: q's)
     f32 keeps the unrounded output for the backward's ``D = rowsum(dO * out)``. ``variants`` says which of
-    ``segment_ids`` (a pair of int arrays) and ``sinks`` (``[heads]``) are given, and the window and soft-cap."""
+    ``segment_ids`` (a pair of int arrays) and ``sinks`` (``[heads]``) are given, and the window and soft-cap.
+
+    GQA: a grid step computes :func:`heads_per_step` query heads of a group against one k/v copy. Their q, out
+    and lse travel as one ``[heads, block_q, ...]`` block; ``separate_heads`` passes them as one 2-D block per
+    head instead (the same copies and compute, plus a stack of the outputs afterwards): libtpu's static
+    profiler reports 0 cycles for any kernel whose blocks have a third non-squeezed dimension, so estimates
+    measure this layout (:func:`flashlib.estimate.flashlib_forward`)."""
     out_dtype = q.dtype if out_dtype is None else out_dtype
     batch, heads, q_len, head_dim = q.shape
     v_head_dim = v.shape[3]
     kv_len, group = k.shape[2], heads // k.shape[1]  # query heads per kv head (GQA; 1 for MHA)
     block_q, block_k, kv_step = sizes.block_q, sizes.block_k, sizes.kv_step
+    pack = heads_per_step(group, sizes, max(head_dim, v_head_dim), q.dtype)  # q heads sharing a k/v copy
     q_padded = pad_to_multiple(q, 2, block_q)  # [b, h, Tq, d]
     k_padded = pad_to_multiple(k, 2, kv_step)  # [b, h, Tk, d]
     v_padded = pad_to_multiple(v, 2, kv_step)  # [b, h, Tk, dv]
@@ -284,46 +369,59 @@ def forward(q, k, v, segment_ids=None, sinks=None, *, causal: bool, scale: float
             step = tables[1][(b * num_q_blocks + i) * num_kv_steps + step]
         return step
 
-    def kv_index_map(b, h, i, j, *tables):
-        return b, (h if group == 1 else lax.div(h, group)), kv_step_of(b, i, j, tables), 0  # GQA: the group's head
+    def kv_index_map(b, h, i, j, *tables):  # h: the step's first query head is h * pack; GQA: its group's kv head
+        return b, (h if group == pack else lax.div(h, group // pack)), kv_step_of(b, i, j, tables), 0
 
     def row_stat_index_map(b, h, i, j, *tables):
         return b, h, i, 0
 
     squeezed = pl.squeezed
-    q_spec = pl.BlockSpec((squeezed, squeezed, block_q, head_dim), q_index_map)
+    # The step's query heads: one [pack, ...] block per operand, or (separate_heads) `pack` operands of one head each.
+    heads_block = pack if pack > 1 and not separate_heads else squeezed
+    operands = pack if separate_heads else 1
+
+    def of_head(index_map, nth: int):  # separate_heads: operand `nth` holds query head h * pack + nth
+        if not separate_heads:
+            return index_map
+        return lambda b, h, *rest: (lambda index: (index[0], h * pack + nth, *index[2:]))(index_map(b, h, *rest))
+
     k_spec = pl.BlockSpec((squeezed, squeezed, kv_step, head_dim), kv_index_map)
     v_spec = pl.BlockSpec((squeezed, squeezed, kv_step, v_head_dim), kv_index_map)
-    in_specs, inputs = [q_spec, k_spec, v_spec], [q_padded, k_padded, v_padded]
+    in_specs = [pl.BlockSpec((squeezed, heads_block, block_q, head_dim), of_head(q_index_map, n))
+                for n in range(operands)] + [k_spec, v_spec]
+    inputs = [q_padded] * operands + [k_padded, v_padded]
     if variants.segments:
         in_specs += [pl.BlockSpec((squeezed, block_q, NUM_LANES), lambda b, h, i, j, *t: (b, i, 0)),
                      pl.BlockSpec((squeezed, NUM_SUBLANES, kv_step),
                                   lambda b, h, i, j, *t: (b, 0, kv_step_of(b, i, j, t)))]
         inputs += [ids["q_columns"], ids["kv_rows"]]
     if variants.sinks:
-        in_specs.append(pl.BlockSpec((squeezed, NUM_SUBLANES, NUM_LANES), lambda b, h, i, j, *t: (h, 0, 0)))
-        inputs.append(sinks_tiles(sinks))
-    out_shape = [jax.ShapeDtypeStruct((*q_padded.shape[:3], v_head_dim), out_dtype)]
-    out_specs = [pl.BlockSpec((squeezed, squeezed, block_q, v_head_dim), q_index_map)]
+        in_specs += [pl.BlockSpec((heads_block, NUM_SUBLANES, NUM_LANES),
+                                  (lambda b, h, i, j, *t, n=n: (h * pack + n, 0, 0)) if separate_heads
+                                  else (lambda b, h, i, j, *t: (h, 0, 0))) for n in range(operands)]
+        inputs += [sinks_tiles(sinks)] * operands
+    out_heads = heads // operands  # separate_heads: each output holds one head of every step
+    out_shape = [jax.ShapeDtypeStruct((batch, out_heads, q_padded.shape[2], v_head_dim), out_dtype)] * operands
+    out_specs = [pl.BlockSpec((squeezed, heads_block, block_q, v_head_dim), q_index_map)] * operands
     if return_lse:  # lane-replicated like m and l: a lane-dense [block_q, 128] store
-        out_shape.append(jax.ShapeDtypeStruct((batch, heads, q_padded.shape[2], NUM_LANES), jnp.float32))
-        out_specs.append(pl.BlockSpec((squeezed, squeezed, block_q, NUM_LANES), row_stat_index_map))
+        out_shape += [jax.ShapeDtypeStruct((batch, out_heads, q_padded.shape[2], NUM_LANES), jnp.float32)] * operands
+        out_specs += [pl.BlockSpec((squeezed, heads_block, block_q, NUM_LANES), row_stat_index_map)] * operands
 
     dims = (batch, heads, q_len, kv_len, head_dim, causal)
     kernel = functools.partial(
         _forward_kernel, causal=causal, scale=scale, block_k=block_k, q_len=q_len, kv_len=kv_len,
         has_padding=k_padded.shape[2] != kv_len, return_lse=return_lse, variants=variants,
-        num_kv_steps=num_kv_steps,
+        num_kv_steps=num_kv_steps, heads=pack, separate_heads=separate_heads,
     )
     grid = dict(
-        grid=(batch, heads, num_q_blocks, grid_kv_steps),
+        grid=(batch, heads // pack, num_q_blocks, grid_kv_steps),
         in_specs=in_specs,
         out_specs=out_specs,
-        scratch_shapes=[
-            pltpu.VMEM((block_q, NUM_LANES), jnp.float32),  # m: running max (base 2), lane-replicated
-            pltpu.VMEM((block_q, NUM_LANES), jnp.float32),  # l: running sum, lane-replicated
-            pltpu.VMEM((block_q, v_head_dim), jnp.float32),  # acc: unnormalised output
-        ],
+        scratch_shapes=(  # one of each per query head of the step
+            [pltpu.VMEM((block_q, NUM_LANES), jnp.float32)] * pack  # m: running max (base 2), lane-replicated
+            + [pltpu.VMEM((block_q, NUM_LANES), jnp.float32)] * pack  # l: running sum, lane-replicated
+            + [pltpu.VMEM((block_q, v_head_dim), jnp.float32)] * pack  # acc: unnormalised output
+        ),
     )
     outputs = pl.pallas_call(
         kernel,
@@ -338,6 +436,9 @@ def forward(q, k, v, segment_ids=None, sinks=None, *, causal: bool, scale: float
         interpret=interpret,
         name="flash_attention_forward" + ("_causal" if causal else ""),
     )(*prefetch, *inputs)
+    if separate_heads:  # [b, h / pack, T, x] per head of a step -> [b, h, T, x]: head h * pack + n is output n's
+        outputs = [jnp.stack(outputs[n:n + operands], axis=2).reshape(batch, heads, *outputs[n].shape[2:])
+                   for n in range(0, len(outputs), operands)]
     out = outputs[0][:, :, :q_len]  # [b, h, q_len, dv]
     if not return_lse:
         return out
