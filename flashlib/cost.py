@@ -5,9 +5,18 @@ Two views, one set of functions:
 * ``block_sizes=None`` — the algorithm: every visible (query, key) pair costs two multiply-adds per head
   dimension (``q·k`` and ``p·v``) and one ``exp``; q, k, v and out cross HBM once. This is the yardstick of
   a roofline plot.
-* ``block_sizes=BlockSizes(...)`` — the kernel as it runs: whole padded blocks, causal blocks above the
-  diagonal skipped, and a k/v block fetched only when its block index changes between grid steps. This is
-  the ``pl.CostEstimate`` the kernel hands to XLA, so ``compiled.cost_analysis()`` reports it.
+* ``block_sizes=BlockSizes(...)`` — the kernel as it runs: whole padded blocks, the blocks outside the band
+  (above a causal diagonal, outside a sliding window) skipped, and a k/v block fetched only when its block
+  index changes between grid steps. This is the ``pl.CostEstimate`` the kernel hands to XLA, so
+  ``compiled.cost_analysis()`` reports it.
+
+Every count takes ``window=(left, right)`` (``None`` per side: unbounded; :func:`flashlib.geometry.band`), the
+band the kernels walk: with a left side they compact their inner grid axis to each outer block's live range,
+and the fetch counts follow the index maps' :func:`flashlib.geometry.fetched_block` exactly. Segment ids are
+data: the kernel view counts the band's blocks, an upper bound of the FLOPs and exps of a kernel with segment
+ids (its block tables skip more; ``segments=True`` says that such a kernel runs masked blocks whole, not in row
+chunks), and the band's copies (:func:`attention_bytes` says how far those bound). With GQA the kernel view
+counts k and v per query head, as the kernels copy them; ``kv_heads=`` is the algorithm's (once per kv head).
 
 The backward pass has the same two views (``attention_backward_*``). The algorithm recomputes ``P`` from
 q, k and the saved log-sum-exp and needs five matmuls per score (``s``, ``dP``, ``dV``, ``dQ``, ``dK``):
@@ -29,7 +38,7 @@ from typing import Protocol
 
 import numpy as np
 
-from flashlib.geometry import first_query_blocks, forward_tiles, last_kv_blocks, visited_blocks
+from flashlib.geometry import band, forward_tiles, live_range, visited_blocks
 from flashlib.tiling import F32_BYTES, KERNELS, NUM_LANES, NUM_SUBLANES, round_up
 
 __all__ = [
@@ -68,35 +77,51 @@ class KernelBlocks(Protocol):
     def blocks(self, kernel: str = "forward") -> tuple[int, int]: ...  # (block_q, block_k) of a kernel
 
 
-def kv_block_fetches(q_len: int, kv_len: int, block_q: int, block_k: int, causal: bool) -> int:
+def kv_block_fetches(q_len: int, kv_len: int, block_q: int, block_k: int, causal: bool, window=None) -> int:
     """HBM→VMEM copies of a k (or v) block for one (batch, head).
 
     Pallas copies a block only when its index differs from the previous grid step's. Query block ``i``
-    walks key blocks ``0 .. last[i]`` and then stays on ``last[i]`` (the clamped index map), so it costs
-    ``last[i]`` changes, plus one when it starts from block 0 and the previous query block ended elsewhere.
+    walks key blocks ``first[i] .. last[i]`` of its live range (:func:`flashlib.geometry.fetched_block`: from
+    block 0 and clamped at the band's right side, or compacted to the window's blocks) and then stays on
+    ``last[i]``, so it costs ``last[i] - first[i]`` changes, plus one when it starts elsewhere than where the
+    previous query block ended.
     """
-    last = last_kv_blocks(q_len, kv_len, block_q, block_k, causal)  # [nq]
-    return int(last.sum() + 1 + np.count_nonzero(last[:-1] != 0))
+    return _fetches(q_len, kv_len, block_q, block_k, causal, window, keys_inner=True)
 
 
-def q_block_fetches(q_len: int, kv_len: int, block_q: int, block_k: int, causal: bool) -> int:
+def q_block_fetches(q_len: int, kv_len: int, block_q: int, block_k: int, causal: bool, window=None) -> int:
     """HBM→VMEM copies of a q (or dO, lse, D) block for one (batch, head) in the dK/dV kernel.
 
-    Its grid walks query blocks innermost: key block ``j`` visits ``first[j] .. last`` (the steps before
-    ``first[j]`` hold block ``first[j]``, clamped), so it costs ``last - first[j]`` changes, plus one when
-    it starts elsewhere than where the previous key block ended (always at the last query block).
+    Its grid walks query blocks innermost: key block ``j`` visits ``first[j] .. last[j]`` (the steps before
+    ``first[j]`` hold block ``first[j]``; without a left window side ``last[j]`` is the last query block), so it
+    costs ``last[j] - first[j]`` changes, plus one when it starts elsewhere than where the previous key block
+    ended.
     """
-    first = first_query_blocks(q_len, kv_len, block_q, block_k, causal)  # [nk]
-    last = round_up(q_len, block_q) // block_q - 1
-    return int((last - first).sum() + 1 + np.count_nonzero(first[1:] != last))
+    return _fetches(q_len, kv_len, block_q, block_k, causal, window, keys_inner=False)
 
 
-def visible_pairs(q_len: int, kv_len: int, causal: bool) -> int:
-    """(query, key) pairs that enter the softmax: ``q_len * kv_len``, or the causal staircase."""
-    if not causal:
+def _fetches(q_len: int, kv_len: int, block_q: int, block_k: int, causal: bool, window, keys_inner: bool) -> int:
+    """Copies of the inner axis' blocks over one (batch, head) grid walked in order: each outer block's fetched
+    indices run ``first .. last`` of its :func:`~flashlib.geometry.live_range` one step at a time (the index
+    maps' ``fetched_block``), and a copy happens at every change, across outer blocks too."""
+    num_q, num_k = round_up(q_len, block_q) // block_q, round_up(kv_len, block_k) // block_k
+    outer_block, inner_block, num_outer, num_inner = ((block_q, block_k, num_q, num_k) if keys_inner
+                                                      else (block_k, block_q, num_k, num_q))
+    first, last = live_range(np.arange(num_outer), outer_block=outer_block, inner_block=inner_block,
+                             num_inner=num_inner, q_len=q_len, kv_len=kv_len, causal=causal, window=window,
+                             keys_inner=keys_inner)  # [num_outer] each
+    return int((last - first).sum() + 1 + np.count_nonzero(first[1:] != last[:-1]))
+
+
+def visible_pairs(q_len: int, kv_len: int, causal: bool, window=None) -> int:
+    """(query, key) pairs that enter the softmax: ``q_len * kv_len``, or the band's (causal staircase, window)."""
+    left, right = band(causal, window)
+    if left is None and right is None:
         return q_len * kv_len
-    keys_per_row = np.clip(np.arange(q_len) + (kv_len - q_len) + 1, 0, kv_len)  # [q_len]
-    return int(keys_per_row.sum())
+    diagonal = np.arange(q_len) + (kv_len - q_len)  # [q_len]   each query's diagonal key
+    last = kv_len - 1 if right is None else np.minimum(diagonal + right, kv_len - 1)  # [q_len]
+    first = 0 if left is None else np.maximum(diagonal - left, 0)  # [q_len]
+    return int(np.maximum(last - first + 1, 0).sum())
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -112,19 +137,24 @@ def attention_flops(
     head_dim: int,
     causal: bool,
     block_sizes: KernelBlocks | None = None,
+    *,
+    window=None,
+    segments: bool = False,
 ) -> int:
     """Matmul FLOPs (the MXU work): ``2 matmuls x 2 flops x head_dim`` per score; elementwise ops not counted.
 
     With ``block_sizes`` (as the kernel runs them, i.e. after :meth:`BlockSizes.fit`): every visited
     ``[block_q, block_k]`` block in full, padding included (a ``block_k_major`` copy is walked in ``block_k``
     sub-blocks, each skipped or computed on its own), except that a diagonal sub-block split into row chunks
-    counts only the chunks it runs (:func:`flashlib.geometry.forward_tiles`).
+    counts only the chunks it runs (:func:`flashlib.geometry.forward_tiles`). ``window``: the band's blocks
+    (pairs, without ``block_sizes``). ``segments``: the kernel runs with segment ids — the count is then the
+    band's blocks, each whole, an upper bound (which blocks the ids let meet is data).
     """
     if block_sizes is None:
-        scores = visible_pairs(q_len, kv_len, causal)
+        scores = visible_pairs(q_len, kv_len, causal, window)
     else:
         bq, bk = block_sizes.block_q, block_sizes.block_k
-        whole, chunks = forward_tiles(q_len, kv_len, bq, bk, causal)
+        whole, chunks = forward_tiles(q_len, kv_len, bq, bk, causal, window, segments)
         scores = whole * bq * bk + chunks * bk * bk
     return batch * heads * scores * _MATMULS * _FLOPS_PER_MAC * head_dim
 
@@ -138,17 +168,21 @@ def attention_transcendentals(
     causal: bool,
     block_sizes: KernelBlocks | None = None,
     with_lse: bool = False,
+    *,
+    window=None,
+    segments: bool = False,
 ) -> int:
     """``exp``/``log`` evaluations: one ``exp`` per score (+ one ``log`` per row for the lse).
 
     The kernel also exponentiates the rescale factor ``exp(m_old - m_new)`` once per visited block on a
-    lane-replicated ``[block_q, 128]`` tile, and takes the lse's ``log`` on that layout too.
+    lane-replicated ``[block_q, 128]`` tile, and takes the lse's ``log`` on that layout too. ``window`` and
+    ``segments`` as in :func:`attention_flops`.
     """
     del head_dim  # same signature as the other counts
     if block_sizes is None:
-        return batch * heads * (visible_pairs(q_len, kv_len, causal) + (q_len if with_lse else 0))
+        return batch * heads * (visible_pairs(q_len, kv_len, causal, window) + (q_len if with_lse else 0))
     bq, bk = block_sizes.block_q, block_sizes.block_k
-    whole, chunks = forward_tiles(q_len, kv_len, bq, bk, causal)
+    whole, chunks = forward_tiles(q_len, kv_len, bq, bk, causal, window, segments)
     q_rows = round_up(q_len, bq)
     per_head = (whole * (bq * bk + bq * NUM_LANES) + chunks * (bk * bk + bk * NUM_LANES)
                 + (q_rows * NUM_LANES if with_lse else 0))
@@ -165,20 +199,29 @@ def attention_bytes(
     dtype,
     block_sizes: KernelBlocks | None = None,
     with_lse: bool = False,
+    *,
+    window=None,
+    kv_heads: int | None = None,
 ) -> int:
     """HBM bytes read and written: q, k, v in, out (and the f32 lse) back.
 
-    Ideally each crosses HBM once. The kernel reads each q block once, re-reads k and v once per query
-    block (:func:`kv_block_fetches`, in copies of ``block_k_major`` keys when set), and writes out — and the
-    lane-replicated ``[q, 128]`` f32 lse — once.
+    Ideally each crosses HBM once — k and v once per kv head (``kv_heads``, GQA/MQA; None: ``heads``). The
+    kernel reads each q block once, re-reads k and v once per query block and query head
+    (:func:`kv_block_fetches` of the ``window``'s band, in copies of ``block_k_major`` keys when set; ``kv_heads``
+    is not read), and writes out — and the lane-replicated ``[q, 128]`` f32 lse — once. With segment ids this
+    is the band's copies: the block tables skip copies too, but where a block sees no key the index may jump
+    (at most one extra copy per query block), and the id tiles themselves are not counted.
     """
     itemsize = np.dtype(dtype).itemsize
     if block_sizes is None:
-        elements = (2 * q_len + 2 * kv_len) * head_dim  # q, out; k, v
-        return batch * heads * (elements * itemsize + (q_len * F32_BYTES if with_lse else 0))
+        kv_heads = heads if kv_heads is None else kv_heads
+        if kv_heads < 1 or heads % kv_heads:
+            raise ValueError(f"kv_heads must divide heads ({heads}), got {kv_heads}")
+        elements = heads * 2 * q_len * head_dim + kv_heads * 2 * kv_len * head_dim  # q, out; k, v
+        return batch * (elements * itemsize + (heads * q_len * F32_BYTES if with_lse else 0))
     bq, kv_step = block_sizes.block_q, block_sizes.kv_step  # k and v are copied kv_step keys at a time
     q_rows = round_up(q_len, bq)
-    kv_rows = kv_block_fetches(q_len, kv_len, bq, kv_step, causal) * kv_step
+    kv_rows = kv_block_fetches(q_len, kv_len, bq, kv_step, causal, window) * kv_step
     per_head = (2 * q_rows + 2 * kv_rows) * head_dim * itemsize + (q_rows * NUM_LANES * F32_BYTES if with_lse else 0)
     return batch * heads * per_head
 
@@ -204,10 +247,11 @@ def _kernel_blocks(block_sizes: KernelBlocks, kernel: str) -> tuple[int, int]:
     return block_sizes.blocks(kernel)
 
 
-def _visited_scores(q_len: int, kv_len: int, causal: bool, block_sizes: KernelBlocks, kernel: str) -> int:
-    """Scores one head's ``kernel`` computes: every visited block in full."""
+def _visited_scores(q_len: int, kv_len: int, causal: bool, block_sizes: KernelBlocks, kernel: str,
+                    window=None) -> int:
+    """Scores one head's ``kernel`` computes: every visited block (in the band) in full."""
     block_q, block_k = _kernel_blocks(block_sizes, kernel)
-    return visited_blocks(q_len, kv_len, block_q, block_k, causal) * block_q * block_k
+    return visited_blocks(q_len, kv_len, block_q, block_k, causal, window) * block_q * block_k
 
 
 def attention_backward_flops(
@@ -219,18 +263,21 @@ def attention_backward_flops(
     causal: bool,
     block_sizes: KernelBlocks | None = None,
     kernel: str | None = None,
+    *,
+    window=None,
 ) -> int:
     """Backward matmul FLOPs: ``5 matmuls x 2 flops x head_dim`` per visible score (2.5x the forward).
 
     With ``block_sizes`` (resolved, :meth:`BlockSizes.for_backward`): the kernels as they run, every
     visited block in full — dK/dV does 4 matmuls per score, dQ 3, the fused kernel 5 (``kernel=`` picks one;
-    None sums the split pair).
+    None sums the split pair). ``window``: the band's blocks; with segment ids an upper bound (see the module).
     """
     kernels = _backward_kernels(block_sizes, kernel)
     if block_sizes is None:
-        return batch * heads * visible_pairs(q_len, kv_len, causal) * _BACKWARD_MATMULS * _FLOPS_PER_MAC * head_dim
-    return sum(batch * heads * _visited_scores(q_len, kv_len, causal, block_sizes, name) * _KERNEL_MATMULS[name]
-               * _FLOPS_PER_MAC * head_dim for name in kernels)
+        return (batch * heads * visible_pairs(q_len, kv_len, causal, window) * _BACKWARD_MATMULS * _FLOPS_PER_MAC
+                * head_dim)
+    return sum(batch * heads * _visited_scores(q_len, kv_len, causal, block_sizes, name, window)
+               * _KERNEL_MATMULS[name] * _FLOPS_PER_MAC * head_dim for name in kernels)
 
 
 def attention_backward_transcendentals(
@@ -242,14 +289,17 @@ def attention_backward_transcendentals(
     causal: bool,
     block_sizes: KernelBlocks | None = None,
     kernel: str | None = None,
+    *,
+    window=None,
 ) -> int:
     """``exp`` evaluations: recomputing ``P = exp(s - lse)`` costs one per score — once in the algorithm,
-    once in each kernel as they run (visited blocks in full)."""
+    once in each kernel as they run (visited blocks of the ``window``'s band in full)."""
     del head_dim  # same signature as the other counts
     kernels = _backward_kernels(block_sizes, kernel)
     if block_sizes is None:
-        return batch * heads * visible_pairs(q_len, kv_len, causal)
-    return sum(batch * heads * _visited_scores(q_len, kv_len, causal, block_sizes, name) for name in kernels)
+        return batch * heads * visible_pairs(q_len, kv_len, causal, window)
+    return sum(batch * heads * _visited_scores(q_len, kv_len, causal, block_sizes, name, window)
+               for name in kernels)
 
 
 def attention_backward_bytes(
@@ -262,6 +312,8 @@ def attention_backward_bytes(
     dtype,
     block_sizes: KernelBlocks | None = None,
     kernel: str | None = None,
+    *,
+    window=None,
 ) -> int:
     """HBM bytes of the backward: q, k, v, out, dO and the f32 lse in; dQ, dK, dV out.
 
@@ -274,6 +326,9 @@ def attention_backward_bytes(
       (:func:`kv_block_fetches`);
     * the fused kernel moves what dK/dV does, and reads k^T once and writes dQ^T once (the transposes
       around it are XLA ops outside the kernel).
+
+    ``window``: the band's fetches (the dK/dV kernel's query axis and the dQ kernel's key axis compacted when
+    it has a left side); with segment ids the band's, as in :func:`attention_bytes`.
     """
     itemsize = np.dtype(dtype).itemsize
     kernels = _backward_kernels(block_sizes, kernel)
@@ -284,14 +339,14 @@ def attention_backward_bytes(
     for name in kernels:
         bq, bk = _kernel_blocks(block_sizes, name)
         if name in ("dkv", "fused"):
-            q_rows = q_block_fetches(q_len, kv_len, bq, bk, causal) * bq  # q, dO, lse, D re-read
+            q_rows = q_block_fetches(q_len, kv_len, bq, bk, causal, window) * bq  # q, dO, lse, D re-read
             kv_rows = round_up(kv_len, bk)  # k, v read and dK, dV written once
             per_head = (2 * q_rows + 4 * kv_rows) * head_dim * itemsize
             if name == "fused":
                 per_head += (kv_rows + round_up(q_len, bq)) * head_dim * itemsize  # k^T read, dQ^T written
         else:
             q_rows = round_up(q_len, bq)  # q, dO, lse, D read and dQ written once
-            kv_rows = kv_block_fetches(q_len, kv_len, bq, bk, causal) * bk  # k, v re-read
+            kv_rows = kv_block_fetches(q_len, kv_len, bq, bk, causal, window) * bk  # k, v re-read
             per_head = (3 * q_rows + 2 * kv_rows) * head_dim * itemsize
         per_head += _ROW_STATS * q_rows * NUM_SUBLANES * F32_BYTES
         total += batch * heads * per_head

@@ -11,8 +11,8 @@ within ``left`` keys before and ``right`` keys after that diagonal key. Causal a
   :func:`first_query_seeing`, :func:`last_query_seeing`, :func:`live_range`: what a kernel's ``pl.when``
   guards and index maps decide per grid step;
 * grids — :func:`first_query_blocks`, :func:`last_kv_blocks`, :func:`visited_blocks`, :func:`forward_tiles`,
-  :func:`live_steps`: the same decisions for a whole grid at once, which :mod:`flashlib.cost` counts and
-  the kernels size their grids by.
+  :func:`live_steps` (and :func:`live_range` on an array of outer blocks): the same decisions for a whole grid at
+  once, which :mod:`flashlib.cost` counts (windows included) and the kernels size their grids by.
 
 Everything is plain arithmetic, so one function runs on Python ints, NumPy arrays and the traced program
 ids inside a kernel: the kernel and its cost estimate cannot disagree about a block. Like JAX's splash
@@ -230,7 +230,8 @@ def _floor_div(x, d: int):
 
 
 def first_query_blocks(q_len: int, kv_len: int, block_q: int, block_k: int, causal: bool) -> np.ndarray:
-    """``[num_kv_blocks]``: the first query block each key block needs, where the dK/dV q index map clamps."""
+    """``[num_kv_blocks]``: the first query block each key block needs, where the dK/dV q index map clamps
+    (no window; :func:`live_range` with ``keys_inner=False`` is the rule with one)."""
     num_kv_blocks = round_up(kv_len, block_k) // block_k
     if not causal:
         return np.zeros(num_kv_blocks, dtype=int)
@@ -239,7 +240,8 @@ def first_query_blocks(q_len: int, kv_len: int, block_q: int, block_k: int, caus
 
 
 def last_kv_blocks(q_len: int, kv_len: int, block_q: int, block_k: int, causal: bool) -> np.ndarray:
-    """``[num_q_blocks]``: the last key block each query block needs, where its k/v index map clamps."""
+    """``[num_q_blocks]``: the last key block each query block needs, where its k/v index map clamps (no window;
+    :func:`live_range` is the rule with one)."""
     num_q_blocks, num_kv_blocks = round_up(q_len, block_q) // block_q, round_up(kv_len, block_k) // block_k
     if not causal:
         return np.full(num_q_blocks, num_kv_blocks - 1)
@@ -247,13 +249,20 @@ def last_kv_blocks(q_len: int, kv_len: int, block_q: int, block_k: int, causal: 
     return np.clip(last_key // block_k, 0, num_kv_blocks - 1)  # a block that sees no key still holds block 0
 
 
-def visited_blocks(q_len: int, kv_len: int, block_q: int, block_k: int, causal: bool) -> int:
-    """Grid steps of one (batch, head) that compute, i.e. are not skipped as above the diagonal."""
+def visited_blocks(q_len: int, kv_len: int, block_q: int, block_k: int, causal: bool, window=None) -> int:
+    """Grid steps of one (batch, head) that compute: the blocks inside the band (:func:`block_is_visible`), i.e.
+    not skipped as above the diagonal or outside the window. A compacted grid (:func:`compacts`) visits the same
+    blocks: every visible block lies in its outer block's :func:`live_range`."""
+    return int(_visible(q_len, kv_len, block_q, block_k, causal, window).sum())
+
+
+def _visible(q_len: int, kv_len: int, block_q: int, block_k: int, causal: bool, window=None) -> np.ndarray:
+    """``[num_q_blocks, num_kv_blocks]``: :func:`block_is_visible` over the grid (blocks of real keys only)."""
     q_blocks = np.arange(round_up(q_len, block_q) // block_q)[:, None]  # [nq, 1]
     kv_blocks = np.arange(round_up(kv_len, block_k) // block_k)[None, :]  # [1, nk]
-    geometry = dict(block_q=block_q, block_k=block_k, q_len=q_len, kv_len=kv_len, causal=causal)
-    visible = block_is_visible(q_blocks, kv_blocks, **geometry)  # [nq, nk], or True when not causal
-    return int(np.broadcast_to(visible, (q_blocks.size, kv_blocks.size)).sum())
+    geometry = dict(block_q=block_q, block_k=block_k, q_len=q_len, kv_len=kv_len, causal=causal, window=window)
+    visible = block_is_visible(q_blocks, kv_blocks, **geometry)  # [nq, nk], or True when nothing masks
+    return np.broadcast_to(visible, (q_blocks.size, kv_blocks.size))
 
 
 def splits_rows(block_q: int, block_k: int, causal: bool) -> bool:
@@ -262,18 +271,18 @@ def splits_rows(block_q: int, block_k: int, causal: bool) -> bool:
     return causal and block_q > block_k and block_q % block_k == 0
 
 
-def forward_tiles(q_len: int, kv_len: int, block_q: int, block_k: int, causal: bool) -> tuple[int, int]:
+def forward_tiles(q_len: int, kv_len: int, block_q: int, block_k: int, causal: bool, window=None,
+                  segments: bool = False) -> tuple[int, int]:
     """``(sub-blocks, row chunks)``: the whole ``[block_q, block_k]`` sub-blocks and the ``[block_k, block_k]``
-    row chunks one (batch, head) of the forward kernel computes. Without row chunks (:func:`splits_rows`) every
-    visited sub-block is whole; with them, a sub-block that needs a mask runs only its visible chunks."""
-    q_blocks = np.arange(round_up(q_len, block_q) // block_q)[:, None]  # [nq, 1]
-    kv_blocks = np.arange(round_up(kv_len, block_k) // block_k)[None, :]  # [1, nk]
-    grid = (q_blocks.size, kv_blocks.size)
-    geometry = dict(block_q=block_q, block_k=block_k, q_len=q_len, kv_len=kv_len, causal=causal)
-    visible = np.broadcast_to(block_is_visible(q_blocks, kv_blocks, **geometry), grid)  # [nq, nk]
-    if not splits_rows(block_q, block_k, causal):
+    row chunks one (batch, head) of the forward kernel computes. Without row chunks (:func:`splits_rows`; never
+    with ``segments``, whose every visited block builds the mask whole) every visited sub-block is whole; with
+    them, a sub-block that needs a mask runs only its visible chunks. ``window``: the band's blocks only."""
+    geometry = dict(block_q=block_q, block_k=block_k, q_len=q_len, kv_len=kv_len, causal=causal, window=window)
+    visible = _visible(q_len, kv_len, block_q, block_k, causal, window)  # [nq, nk]
+    if segments or not splits_rows(block_q, block_k, causal):
         return int(visible.sum()), 0
-    masked = visible & np.broadcast_to(block_needs_mask(q_blocks, kv_blocks, **geometry), grid)  # [nq, nk]
+    q_blocks, kv_blocks = np.arange(visible.shape[0])[:, None], np.arange(visible.shape[1])[None, :]
+    masked = visible & np.broadcast_to(block_needs_mask(q_blocks, kv_blocks, **geometry), visible.shape)  # [nq, nk]
     chunks = block_q // block_k
     chunk_blocks = (q_blocks * chunks)[..., None] + np.arange(chunks)  # [nq, 1, chunks]: chunk index in the sequence
     chunk_visible = block_is_visible(chunk_blocks, kv_blocks[..., None], **dict(geometry, block_q=block_k))

@@ -8,10 +8,14 @@ head_dim of its own, alone and combined, forward and backward (``dsinks`` too), 
   failure prints the seed to replay with ``pytest --hypothesis-seed=N``), with lengths over several blocks so
   that the window's grid compaction, padding and rows that see no key all happen;
 * bfloat16 by FlashAttention's rule and TPU-semantics interpret mode with race detection, on chosen cases;
+* :mod:`flashlib.cost`'s counts of the band (the kernels' ``pl.CostEstimate``) against the kernels' grids walked
+  step by step and against the element mask, and as XLA reports them for compiled windowed kernels;
 * the forward and gradient compiled for v5e and v6e by libtpu.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -22,8 +26,8 @@ from hypothesis import strategies as st
 from jax.experimental.pallas import tpu as pltpu
 
 import flashlib
-from flashlib import checks, geometry, masks, reference
-from flashlib.kernels import BlockSizes, variants
+from flashlib import checks, cost, geometry, masks, reference
+from flashlib.kernels import BlockSizes, backward_kernels, variants
 from flashlib.kernels.tpu_backward import _fuses_dq
 from flashlib.tpu_compile import compile_for_tpu
 
@@ -83,6 +87,152 @@ def test_a_two_sided_window_walks_a_constant_number_of_key_steps():
 
     assert [steps(n, (1023, 0)) for n in (2048, 8192, 32768)] == [3, 3, 3]
     assert [steps(n, None) for n in (2048, 8192, 32768)] == [4, 16, 64]
+
+
+# ---------------------------------------------------------------------------------------------------
+# The band's cost (flashlib.cost, the kernels' pl.CostEstimate) against the kernels' grids walked step by step
+# ---------------------------------------------------------------------------------------------------
+
+
+class _Blocks:
+    """Block sizes as flashlib.cost reads them (cost.KernelBlocks), free of the TPU tiling rules: small blocks
+    give many blocks on short sequences, so every kind of grid step happens in a few microseconds."""
+
+    def __init__(self, block_q: int, block_k: int, kv_step: int, backward: dict):
+        self.block_q, self.block_k, self.kv_step, self._backward = block_q, block_k, kv_step, backward
+
+    def blocks(self, kernel: str = "forward") -> tuple[int, int]:
+        return self._backward.get(kernel, (self.block_q, self.block_k))
+
+
+COST_LENGTHS = [(37, 100), (100, 37), (64, 64), (1, 50)]  # q_len, kv_len
+COST_BLOCKS = [  # block_q, block_k, kv_step (block_k_major); the backward's (block_q, block_k) per kernel
+    _Blocks(8, 16, 16, {"dkv": (16, 8), "fused": (16, 8), "dq": (8, 16)}),
+    _Blocks(16, 8, 32, {"dkv": (8, 8), "fused": (8, 8), "dq": (16, 8)}),  # row chunks; 4 sub-blocks a copy
+    _Blocks(32, 8, 8, {"dkv": (8, 32), "fused": (8, 32), "dq": (32, 8)}),
+]
+COST_WINDOWS = [None, (0, 0), (5, None), (None, 3), (20, 4), (200, 200), (None, None)]
+
+
+def _copies(indices: list) -> int:
+    """Copies of one input over a grid walked in order: one at the start and one whenever the index changes."""
+    return 1 + sum(a != b for a, b in itertools.pairwise(indices))
+
+
+def _walk_forward(q_len, kv_len, blocks: _Blocks, causal, window) -> tuple[int, int, int]:
+    """``(whole sub-blocks, row chunks, k copies)`` of one head of tpu_forward's grid, step by step."""
+    block_q, block_k, kv_step = blocks.block_q, blocks.block_k, blocks.kv_step
+    num_q, num_steps, subs = -(-q_len // block_q), -(-kv_len // kv_step), kv_step // block_k
+    live = dict(outer_block=block_q, inner_block=kv_step, num_inner=num_steps, q_len=q_len, kv_len=kv_len,
+                causal=causal, window=window)
+    geo = dict(block_q=block_q, block_k=block_k, q_len=q_len, kv_len=kv_len, causal=causal, window=window)
+    split, chunks_per_block = geometry.splits_rows(block_q, block_k, causal), block_q // block_k
+    whole = chunks = 0
+    fetched = []
+    for i in range(num_q):
+        for j in range(geometry.live_steps(num_q, **live)):
+            fetched.append(int(geometry.fetched_block(i, j, **live)))
+            step, step_live = geometry.visited_block(i, j, **live)
+            for kv_block in range(step * subs, (step + 1) * subs):
+                if not (step_live and kv_block * block_k < kv_len and geometry.block_is_visible(i, kv_block, **geo)):
+                    continue
+                if split and geometry.block_needs_mask(i, kv_block, **geo):
+                    chunks += sum(bool(geometry.block_is_visible(i * chunks_per_block + c, kv_block,
+                                                                 **dict(geo, block_q=block_k)))
+                                  for c in range(chunks_per_block))
+                else:
+                    whole += 1
+    return whole, chunks, _copies(fetched)
+
+
+def _walk_backward(q_len, kv_len, block_q, block_k, causal, window, keys_outer: bool, compact: bool = True):
+    """``(computed blocks, inner-axis copies)`` of one head of a backward grid: dK/dV (and fused, which never
+    compacts) walk query blocks per key block, dQ key blocks per query block."""
+    num_q, num_k = -(-q_len // block_q), -(-kv_len // block_k)
+    outer_block, inner_block, num_outer, num_inner = ((block_k, block_q, num_k, num_q) if keys_outer
+                                                      else (block_q, block_k, num_q, num_k))
+    live = dict(outer_block=outer_block, inner_block=inner_block, num_inner=num_inner, q_len=q_len, kv_len=kv_len,
+                causal=causal, window=window, keys_inner=not keys_outer)
+    geo = dict(block_q=block_q, block_k=block_k, q_len=q_len, kv_len=kv_len, causal=causal, window=window)
+    steps = geometry.live_steps(num_outer, **live) if compact else num_inner
+    computed, fetched = 0, []
+    for outer in range(num_outer):
+        for step in range(steps):
+            fetched.append(int(geometry.fetched_block(outer, step, **live)))
+            inner, is_live = geometry.visited_block(outer, step, **live) if compact else (step, True)
+            q_block, kv_block = (inner, outer) if keys_outer else (outer, inner)
+            computed += bool(is_live and geometry.block_is_visible(q_block, kv_block, **geo))
+    return computed, _copies(fetched)
+
+
+@pytest.mark.parametrize("window", COST_WINDOWS, ids=str)
+def test_window_cost_counts_the_blocks_and_copies_the_kernels_walk(window):
+    """Forward, dK/dV, dQ and fused: flops, exps and bytes of cost's kernel view equal the grids walked step by
+    step with the kernels' own geometry (visited_block, fetched_block, block_is_visible), q_len != kv_len,
+    windows wider than the sequences, (0, 0), one-sided."""
+    head_dim, itemsize = 8, 2
+    for (q_len, kv_len), blocks, causal in itertools.product(COST_LENGTHS, COST_BLOCKS, (False, True)):
+        case = (q_len, kv_len, blocks.blocks(), blocks.kv_step, causal, window)
+        dims, band = (1, 1, q_len, kv_len, head_dim, causal), dict(window=window)
+        bq, bk, kv_step = blocks.block_q, blocks.block_k, blocks.kv_step
+        whole, chunks, kv_copies = _walk_forward(q_len, kv_len, blocks, causal, window)
+        scores = whole * bq * bk + chunks * bk * bk
+        assert cost.attention_flops(*dims, blocks, **band) == scores * 4 * head_dim, case
+        assert cost.attention_transcendentals(*dims, blocks, **band) == scores + (whole * bq + chunks * bk) * 128, case
+        assert cost.kv_block_fetches(q_len, kv_len, bq, kv_step, causal, window) == kv_copies, case
+        q_rows = -(-q_len // bq) * bq
+        assert cost.attention_bytes(*dims, "bfloat16", blocks, **band) == (
+            (2 * q_rows + 2 * kv_copies * kv_step) * head_dim * itemsize), case
+        for kernel, keys_outer in (("dkv", True), ("dq", False), ("fused", True)):
+            kq, kk = blocks.blocks(kernel)
+            compact = kernel != "fused"  # the fused kernel's query axis is whole (a left window runs dkv + dq)
+            computed, copies = _walk_backward(q_len, kv_len, kq, kk, causal, window, keys_outer, compact)
+            matmuls = {"dkv": 4, "dq": 3, "fused": 5}[kernel]
+            got = cost.attention_backward_flops(*dims, blocks, kernel, **band)
+            assert got == computed * kq * kk * matmuls * 2 * head_dim, (kernel, case)
+            assert cost.attention_backward_transcendentals(*dims, blocks, kernel, **band) == computed * kq * kk
+            if keys_outer:
+                assert cost.q_block_fetches(q_len, kv_len, kq, kk, causal, window) == copies, (kernel, case)
+                q_rows, kv_rows = copies * kq, -(-kv_len // kk) * kk
+                moved = (2 * q_rows + 4 * kv_rows) * head_dim * itemsize
+                if kernel == "fused":
+                    moved += (kv_rows + -(-q_len // kq) * kq) * head_dim * itemsize
+            else:
+                assert cost.kv_block_fetches(q_len, kv_len, kq, kk, causal, window) == copies, (kernel, case)
+                q_rows = -(-q_len // kq) * kq
+                moved = (3 * q_rows + 2 * copies * kk) * head_dim * itemsize
+            moved += 2 * q_rows * 8 * 4  # the lse and D rows, [8, block_q] f32, with q
+            assert cost.attention_backward_bytes(*dims, "bfloat16", blocks, kernel, **band) == moved, (kernel, case)
+
+
+def test_window_cost_of_the_algorithm_counts_the_element_mask():
+    """block_sizes=None: the pairs masks.element_visible lets through; k and v cross HBM once per kv head."""
+    for q_len, kv_len, causal, window in itertools.product((1, 37, 64, 100), (1, 50, 64), (False, True),
+                                                           COST_WINDOWS + [(3, 0), (0, 7)]):
+        rows, cols = np.arange(q_len)[:, None], np.arange(kv_len)[None, :]
+        mask = masks.element_visible(rows, cols, q_len=q_len, kv_len=kv_len, causal=causal, window=window)
+        pairs = int(np.broadcast_to(mask, (q_len, kv_len)).sum())
+        assert cost.visible_pairs(q_len, kv_len, causal, window) == pairs, (q_len, kv_len, causal, window)
+        dims = (2, 3, q_len, kv_len, 16, causal)
+        assert cost.attention_flops(*dims, window=window) == 2 * 3 * pairs * 4 * 16
+        assert cost.attention_transcendentals(*dims, window=window) == 2 * 3 * pairs
+        assert cost.attention_backward_flops(*dims, window=window) == 2 * 3 * pairs * 10 * 16
+    b, h, n, d = 2, 8, 64, 32
+    assert cost.attention_bytes(b, h, n, n, d, False, "bfloat16", kv_heads=2) == b * (h * 2 + 2 * 2) * n * d * 2
+    assert cost.attention_bytes(b, h, n, n, d, False, "bfloat16", kv_heads=h) == cost.attention_bytes(
+        b, h, n, n, d, False, "bfloat16")
+    with pytest.raises(ValueError, match="kv_heads must divide heads"):
+        cost.attention_bytes(b, h, n, n, d, False, "bfloat16", kv_heads=3)
+
+
+def test_segment_cost_is_the_bands_whole_blocks():
+    """Segment ids are data: the count is the band's blocks, each whole (the kernel builds a masked block's
+    mask whole with segment ids, never in row chunks): an upper bound of what the block tables let run."""
+    blocks = COST_BLOCKS[1]  # 16-row query blocks over 8-key blocks: causal splits diagonal blocks into chunks
+    dims = (1, 1, 100, 37, 8, True)
+    visited = geometry.visited_blocks(100, 37, 16, 8, True, (20, 4))
+    assert cost.attention_flops(*dims, blocks, window=(20, 4), segments=True) == visited * 16 * 8 * 4 * 8
+    assert cost.attention_flops(*dims, blocks, segments=True) > cost.attention_flops(*dims, blocks)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -263,3 +413,41 @@ def test_every_variant_together_compiles_for_tpu(topology):
 
     check = compile_for_tpu(jax.grad(loss, argnums=(0, 1, 2, 3)), q, k, v, sinks, ids, ids, topology=topology)
     assert check.ok, check.compiler_message
+
+
+@pytest.mark.tpu
+def test_a_windows_cost_estimate_reaches_the_compiler():
+    """XLA reports the windowed forward's pl.CostEstimate: the band's blocks and copies, not the causal count
+    (aligned shapes: the program is the kernel alone). Row chunks and grid compaction both happen here."""
+    batch, heads, n, head_dim, sizes, window = 1, 4, 2048, 128, BlockSizes(512, 256), (511, 0)
+    q = jax.ShapeDtypeStruct((batch, heads, n, head_dim), BF16)
+    fn = jax.jit(lambda q, k, v: flashlib.attention(q, k, v, causal=True, window=window, block_sizes=sizes,
+                                                    impl="pallas", interpret=False))
+    check = compile_for_tpu(fn, q, q, q)
+    assert check.ok, check.compiler_message
+    dims = (batch, heads, n, n, head_dim, True)
+    assert check.flops == cost.attention_flops(*dims, block_sizes=sizes, window=window)
+    assert check.bytes_accessed == cost.attention_bytes(*dims, BF16, block_sizes=sizes, window=window)
+    assert check.flops < cost.attention_flops(*dims, block_sizes=sizes) * 3 // 5  # causal alone: over twice the work
+
+
+@pytest.mark.tpu
+@pytest.mark.parametrize("kernel", ["dkv", "dq"])
+def test_a_windows_backward_cost_estimate_reaches_the_compiler(kernel):
+    """The compacted dK/dV and dQ grids' pl.CostEstimate, as XLA reports it, is flashlib.cost's band count."""
+    batch, heads, n, head_dim, window = 1, 4, 2048, 128, (300, 0)
+    sizes = BlockSizes(256, 512, block_q_dkv=512, block_k_dkv=256, block_q_dq=256, block_k_dq=512)
+    q = jax.ShapeDtypeStruct((batch, heads, n, head_dim), BF16)
+    rows = jax.ShapeDtypeStruct((batch, heads, 8, n), jnp.float32)
+    call = {"dkv": backward_kernels._dkv, "dq": backward_kernels._dq}[kernel]
+
+    def run(q, k, v, do, lse_rows, d_rows):
+        return call(q, k, v, do, lse_rows, d_rows, causal=True, scale=0.1, q_len=n, kv_len=n, sizes=sizes,
+                    interpret=False, variants=variants.KernelVariants(window=window))
+
+    check = compile_for_tpu(run, q, q, q, q, rows, rows)
+    assert check.ok, check.compiler_message
+    dims = (batch, heads, n, n, head_dim, True)
+    assert check.flops == cost.attention_backward_flops(*dims, block_sizes=sizes, kernel=kernel, window=window)
+    assert check.bytes_accessed == cost.attention_backward_bytes(*dims, BF16, block_sizes=sizes, kernel=kernel,
+                                                                 window=window)

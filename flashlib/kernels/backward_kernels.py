@@ -319,13 +319,14 @@ def _dkv_specs(head_dim: int, v_head_dim: int, block_q: int, block_k: int, *, ca
     return in_specs, out_specs
 
 
-def _cost_estimate(kernel: str, dims: tuple, dtype, sizes: BlockSizes) -> pl.CostEstimate:
-    """``kernel``'s (``"dkv"``, ``"fused"``, ``"dq"``) pl.CostEstimate, from :mod:`flashlib.cost` (the causal
-    mask's count; a window's skipped blocks are not counted)."""
+def _cost_estimate(kernel: str, dims: tuple, dtype, sizes: BlockSizes, window=None) -> pl.CostEstimate:
+    """``kernel``'s (``"dkv"``, ``"fused"``, ``"dq"``) pl.CostEstimate, from :mod:`flashlib.cost`: the blocks and
+    copies of the band (causal, ``window``); with segment ids, the band's (a bound: :mod:`flashlib.cost`)."""
     return pl.CostEstimate(
-        flops=cost.attention_backward_flops(*dims, block_sizes=sizes, kernel=kernel),
-        transcendentals=cost.attention_backward_transcendentals(*dims, block_sizes=sizes, kernel=kernel),
-        bytes_accessed=cost.attention_backward_bytes(*dims, dtype, block_sizes=sizes, kernel=kernel),
+        flops=cost.attention_backward_flops(*dims, block_sizes=sizes, kernel=kernel, window=window),
+        transcendentals=cost.attention_backward_transcendentals(*dims, block_sizes=sizes, kernel=kernel,
+                                                                window=window),
+        bytes_accessed=cost.attention_backward_bytes(*dims, dtype, block_sizes=sizes, kernel=kernel, window=window),
     )
 
 
@@ -379,7 +380,8 @@ def _dkv(q, k, v, do, lse_rows, d_rows, ids=None, *, causal: bool, scale: float,
         out_shape=[jax.ShapeDtypeStruct((batch, heads, num_kv_blocks * block_k, head_dim), dk_dtype),
                    jax.ShapeDtypeStruct((batch, heads, num_kv_blocks * block_k, v_head_dim), dv_dtype)],
         compiler_params=pltpu.CompilerParams(dimension_semantics=(PARALLEL, PARALLEL, PARALLEL, ARBITRARY)),
-        cost_estimate=_cost_estimate("dkv", (batch, heads, q_len, kv_len, head_dim, causal), q.dtype, sizes),
+        cost_estimate=_cost_estimate("dkv", (batch, heads, q_len, kv_len, head_dim, causal), q.dtype, sizes,
+                                     variants.window),
         interpret=interpret,
         name="flash_attention_dkv" + ("_causal" if causal else ""),
     )(*tables, *_inputs(q, k, v, do, lse_rows, d_rows, ids, variants, "q_rows", "kv_columns"))
@@ -431,7 +433,8 @@ def _fused(q, k, v, do, lse_rows, d_rows, ids=None, *, causal: bool, scale: floa
         compiler_params=pltpu.CompilerParams(  # dQ^T sums over the key blocks: that axis turns sequential too
             dimension_semantics=(PARALLEL, PARALLEL, ARBITRARY, ARBITRARY),
             vmem_limit_bytes=vmem_limit_bytes(sizes.generation) + extra_vmem),
-        cost_estimate=_cost_estimate("fused", (batch, heads, q_len, kv_len, head_dim, causal), q.dtype, sizes),
+        cost_estimate=_cost_estimate("fused", (batch, heads, q_len, kv_len, head_dim, causal), q.dtype, sizes,
+                                     variants.window),
         interpret=interpret,
         name="flash_attention_dkv_dq" + ("_causal" if causal else ""),
     )(*tables, *_inputs(q, k, v, do, lse_rows, d_rows, ids, variants, "q_rows", "kv_columns"), k_t)
@@ -556,7 +559,8 @@ def _dq(q, k, v, do, lse_rows, d_rows, ids=None, *, causal: bool, scale: float, 
         **with_tables(grid, len(tables)),
         out_shape=jax.ShapeDtypeStruct((batch, heads, num_q_blocks * block_q, head_dim), q.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=(PARALLEL, PARALLEL, PARALLEL, ARBITRARY)),
-        cost_estimate=_cost_estimate("dq", (batch, heads, q_len, kv_len, head_dim, causal), q.dtype, sizes),
+        cost_estimate=_cost_estimate("dq", (batch, heads, q_len, kv_len, head_dim, causal), q.dtype, sizes,
+                                     variants.window),
         interpret=interpret,
         name="flash_attention_dq" + ("_causal" if causal else ""),
     )(*tables, *_inputs(q, k, v, do, lse_rows, d_rows, ids, variants, "q_columns", "kv_rows"))

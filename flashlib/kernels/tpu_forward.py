@@ -428,10 +428,12 @@ def forward(q, k, v, segment_ids=None, sinks=None, *, causal: bool, scale: float
         **with_tables(grid, len(prefetch)),
         out_shape=out_shape,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
-        cost_estimate=pl.CostEstimate(  # the causal mask's count (cost.py); a window's skipped blocks are not counted
-            flops=cost.attention_flops(*dims, block_sizes=sizes),
-            transcendentals=cost.attention_transcendentals(*dims, block_sizes=sizes, with_lse=return_lse),
-            bytes_accessed=cost.attention_bytes(*dims, q.dtype, block_sizes=sizes, with_lse=return_lse),
+        cost_estimate=pl.CostEstimate(  # the band's blocks and copies (cost.py); with segment ids, the band's (a bound)
+            flops=cost.attention_flops(*dims, block_sizes=sizes, window=variants.window, segments=variants.segments),
+            transcendentals=cost.attention_transcendentals(*dims, block_sizes=sizes, with_lse=return_lse,
+                                                           window=variants.window, segments=variants.segments),
+            bytes_accessed=cost.attention_bytes(*dims, q.dtype, block_sizes=sizes, with_lse=return_lse,
+                                                window=variants.window),
         ),
         interpret=interpret,
         name="flash_attention_forward" + ("_causal" if causal else ""),
