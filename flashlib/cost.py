@@ -202,13 +202,16 @@ def attention_bytes(
     *,
     window=None,
     kv_heads: int | None = None,
+    heads_per_step: int = 1,
 ) -> int:
     """HBM bytes read and written: q, k, v in, out (and the f32 lse) back.
 
     Ideally each crosses HBM once — k and v once per kv head (``kv_heads``, GQA/MQA; None: ``heads``). The
-    kernel reads each q block once, re-reads k and v once per query block and query head
-    (:func:`kv_block_fetches` of the ``window``'s band, in copies of ``block_k_major`` keys when set; ``kv_heads``
-    is not read), and writes out — and the lane-replicated ``[q, 128]`` f32 lse — once. With segment ids this
+    kernel reads each q block once, re-reads k and v once per query block and grid step's group of
+    ``heads_per_step`` query heads (:func:`kv_block_fetches` of the ``window``'s band, in copies of
+    ``block_k_major`` keys when set; ``kv_heads`` is not read; GQA's steps take a group's heads together,
+    :func:`flashlib.kernels.tpu_forward.heads_per_step`), and writes out — and the lane-replicated ``[q, 128]``
+    f32 lse — once. With segment ids this
     is the band's copies: the block tables skip copies too, but where a block sees no key the index may jump
     (at most one extra copy per query block), and the id tiles themselves are not counted.
     """
@@ -222,8 +225,11 @@ def attention_bytes(
     bq, kv_step = block_sizes.block_q, block_sizes.kv_step  # k and v are copied kv_step keys at a time
     q_rows = round_up(q_len, bq)
     kv_rows = kv_block_fetches(q_len, kv_len, bq, kv_step, causal, window) * kv_step
-    per_head = (2 * q_rows + 2 * kv_rows) * head_dim * itemsize + (q_rows * NUM_LANES * F32_BYTES if with_lse else 0)
-    return batch * heads * per_head
+    if heads % heads_per_step:
+        raise ValueError(f"heads_per_step must divide heads ({heads}), got {heads_per_step}")
+    per_head = 2 * q_rows * head_dim * itemsize + (q_rows * NUM_LANES * F32_BYTES if with_lse else 0)
+    per_step_heads = 2 * kv_rows * head_dim * itemsize  # k and v, shared by the step's query heads
+    return batch * (heads * per_head + heads // heads_per_step * per_step_heads)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -298,16 +298,18 @@ def plot_steps_vs_baseline(story: Mapping[tuple[Any, ...], Sequence[Row]], value
 
 
 def plot_gqa_estimates(rows: Sequence[Row], ax: Axes | None = None, title: str | None = None) -> Figure:
-    """GQA/MQA rows of ``variants_v5e.csv``: K/V bytes in HBM (bars, left axis) and cycles (markers, right
-    axis) per kv-head count, non-causal and causal, each relative to multi-head attention (``kv_heads ==
-    heads``)."""
+    """GQA/MQA rows of ``variants_v5e.csv``: the K/V bytes the kernel's copies move (bars), the K/V bytes held
+    in HBM (crosses) and cycles (dots) per kv-head count, non-causal and causal, each relative to multi-head
+    attention (``kv_heads == heads``)."""
     fig, ax = figure_and_axes(ax, (6.4, 3.6))
     rows = sorted(rows, key=lambda row: (row["causal"], -row["kv_heads"]))
     labels = [f"{'causal' if r['causal'] else 'full'}\n{r['heads']}q/{r['kv_heads']}kv" for r in rows]
     mha = {r["causal"]: r for r in rows if r["kv_heads"] == r["heads"]}
     x = np.arange(len(rows))
-    ax.bar(x, [r["kv_bytes"] / mha[r["causal"]]["kv_bytes"] for r in rows], color=SERIES_COLORS[1], alpha=0.6,
-           label="K/V bytes / MHA's")
+    ax.bar(x, [r["kv_bytes_read"] / mha[r["causal"]]["kv_bytes_read"] for r in rows], color=SERIES_COLORS[1],
+           alpha=0.6, label="K/V bytes copied / MHA's")
+    ax.plot(x, [r["kv_bytes"] / mha[r["causal"]]["kv_bytes"] for r in rows], "x", color=PALETTE["ink"],
+            label="K/V bytes held / MHA's")
     ax.plot(x, [r["cycles"] / mha[r["causal"]]["cycles"] for r in rows], "o", color=SERIES_COLORS[0],
             label="cycles / MHA's")
     ax.set_xticks(x, labels=labels, fontsize=8)

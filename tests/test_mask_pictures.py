@@ -121,8 +121,13 @@ def test_variant_estimates_table_is_complete_and_drawn():
     gqa = perf_plots.select(VARIANTS, kind="gqa")
     assert {(r["causal"], r["kv_heads"]) for r in gqa} == {(c, h) for c in (False, True) for h in (8, 2, 1)}
     assert all(r["kv_bytes"] == 2 * r["kv_heads"] * 2048 * 128 * 2 for r in gqa)
+    for row in gqa:  # the bar: a step shares its k/v copy among its heads, at no more cycles than MHA
+        mha = perf_plots.select(gqa, causal=row["causal"], kv_heads=8)[0]
+        assert row["kv_bytes_read"] * row["heads_per_step"] == mha["kv_bytes_read"]
+        assert row["cycles"] <= mha["cycles"]
     fig = perf_plots.plot_gqa_estimates(gqa)
     bars = [patch.get_height() for patch in fig.axes[0].patches]
-    assert bars == [1.0, 0.25, 0.125, 1.0, 0.25, 0.125]
+    assert bars == [1 / r["heads_per_step"] for r in sorted(gqa, key=lambda r: (r["causal"], -r["kv_heads"]))]
+    assert list(fig.axes[0].lines[0].get_ydata()) == [1.0, 0.25, 0.125, 1.0, 0.25, 0.125]  # bytes held
     fig = perf_plots.plot_window_scaling(window)
     assert list(fig.axes[0].lines[0].get_ydata()) == [r["cycles"] for r in window]

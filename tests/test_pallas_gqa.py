@@ -15,10 +15,9 @@ from jax.experimental.pallas import tpu as pltpu
 
 import flashlib
 from flashlib import checks
-from flashlib.kernels import BlockSizes
-from flashlib.kernels.tpu_backward import flash_attention_backward
-from flashlib.kernels import tpu_forward
+from flashlib.kernels import BlockSizes, tpu_forward
 from flashlib.kernels.block_sizes import vmem_limit_bytes
+from flashlib.kernels.tpu_backward import flash_attention_backward
 from flashlib.kernels.tpu_forward import flash_attention_forward, heads_per_step
 from flashlib.tpu_compile import compile_for_tpu
 

@@ -92,7 +92,7 @@ def _forward_kernel(
         del refs[:count]
         return taken
 
-    def each_head(present: bool = True) -> list:  # one ref per head: its own operand, or its slot of a [heads, ...] block
+    def each_head(present: bool = True) -> list:  # a ref per head: its own operand, or its slot of a [heads, ...] block
         if not present:
             return [None] * heads
         if separate_heads or heads == 1:
@@ -233,7 +233,7 @@ def _forward_kernel(
 
 
 class _HeadSlot:
-    """Head ``j`` of a ``[heads, ...]`` ref, indexed like a ref of its own (``slot[rows, :]`` is ``ref[j, rows, :]``)."""
+    """Head ``j`` of a ``[heads, ...]`` ref, indexed like a ref of its own: ``slot[rows, :]`` is ``ref[j, rows, :]``."""
 
     def __init__(self, ref, j: int):
         self.ref, self.j = ref, j
@@ -433,7 +433,7 @@ def forward(q, k, v, segment_ids=None, sinks=None, *, causal: bool, scale: float
             transcendentals=cost.attention_transcendentals(*dims, block_sizes=sizes, with_lse=return_lse,
                                                            window=variants.window, segments=variants.segments),
             bytes_accessed=cost.attention_bytes(*dims, q.dtype, block_sizes=sizes, with_lse=return_lse,
-                                                window=variants.window),
+                                                window=variants.window, heads_per_step=pack),
         ),
         interpret=interpret,
         name="flash_attention_forward" + ("_causal" if causal else ""),
