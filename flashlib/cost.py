@@ -320,6 +320,7 @@ def attention_backward_bytes(
     kernel: str | None = None,
     *,
     window=None,
+    heads_per_step: int = 1,
 ) -> int:
     """HBM bytes of the backward: q, k, v, out, dO and the f32 lse in; dQ, dK, dV out.
 
@@ -334,7 +335,9 @@ def attention_backward_bytes(
       around it are XLA ops outside the kernel).
 
     ``window``: the band's fetches (the dK/dV kernel's query axis and the dQ kernel's key axis compacted when
-    it has a left side); with segment ids the band's, as in :func:`attention_bytes`.
+    it has a left side); with segment ids the band's, as in :func:`attention_bytes`. ``heads_per_step``: the
+    query heads the dK/dV or fused kernel walks in turn against one key block (GQA), which share its k, v (and
+    k^T) reads and its dK, dV writes.
     """
     itemsize = np.dtype(dtype).itemsize
     kernels = _backward_kernels(block_sizes, kernel)
@@ -346,14 +349,15 @@ def attention_backward_bytes(
         bq, bk = _kernel_blocks(block_sizes, name)
         if name in ("dkv", "fused"):
             q_rows = q_block_fetches(q_len, kv_len, bq, bk, causal, window) * bq  # q, dO, lse, D re-read
-            kv_rows = round_up(kv_len, bk)  # k, v read and dK, dV written once
-            per_head = (2 * q_rows + 4 * kv_rows) * head_dim * itemsize
-            if name == "fused":
-                per_head += (kv_rows + round_up(q_len, bq)) * head_dim * itemsize  # k^T read, dQ^T written
+            kv_rows = round_up(kv_len, bk)  # k, v read and dK, dV written once per step's heads
+            shared = 1 / heads_per_step  # of the k, v (k^T) reads and dK, dV writes, per query head
+            per_head = (2 * q_rows + 4 * kv_rows * shared) * head_dim * itemsize
+            if name == "fused":  # k^T read, dQ^T written
+                per_head += (kv_rows * shared + round_up(q_len, bq)) * head_dim * itemsize
         else:
             q_rows = round_up(q_len, bq)  # q, dO, lse, D read and dQ written once
             kv_rows = kv_block_fetches(q_len, kv_len, bq, bk, causal, window) * bk  # k, v re-read
             per_head = (3 * q_rows + 2 * kv_rows) * head_dim * itemsize
         per_head += _ROW_STATS * q_rows * NUM_SUBLANES * F32_BYTES
         total += batch * heads * per_head
-    return total
+    return int(round(total))

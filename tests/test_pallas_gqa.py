@@ -15,7 +15,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 import flashlib
 from flashlib import checks
-from flashlib.kernels import BlockSizes, tpu_forward
+from flashlib.kernels import BlockSizes, backward_kernels, tpu_forward
 from flashlib.kernels.block_sizes import vmem_limit_bytes
 from flashlib.kernels.tpu_backward import flash_attention_backward
 from flashlib.kernels.tpu_forward import flash_attention_forward, heads_per_step
@@ -57,9 +57,10 @@ def test_the_entry_point_differentiates_gqa():
     checks.check_attention_grads(vjp(do), q, k, v, do, causal=True, quiet=True)
 
 
-def _pallas_operand_shapes(fn, *args) -> list[list[tuple[int, ...]]]:
-    """The operand shapes of every pallas_call in ``fn``'s program (forward and backward)."""
-    found = []
+def _pallas_operand_shapes(fn, *args, outputs: list | None = None) -> list[list[tuple[int, ...]]]:
+    """The operand shapes of every pallas_call in ``fn``'s program (forward and backward); with ``outputs`` (a
+    list), their outputs' (shape, dtype) appended to it."""
+    found, outputs = [], ([] if outputs is None else outputs)
 
     def subjaxprs(value):
         if hasattr(value, "eqns"):  # a Jaxpr
@@ -74,6 +75,7 @@ def _pallas_operand_shapes(fn, *args) -> list[list[tuple[int, ...]]]:
         for eqn in jaxpr.eqns:
             if eqn.primitive.name == "pallas_call":
                 found.append([tuple(var.aval.shape) for var in eqn.invars])
+                outputs.append([(tuple(var.aval.shape), var.aval.dtype) for var in eqn.outvars])
                 continue
             for param in eqn.params.values():
                 for sub in subjaxprs(param):
@@ -90,11 +92,37 @@ def test_k_and_v_are_never_repeated_in_hbm():
     def grad(q, k, v):
         return jax.grad(lambda q, k, v: flashlib.attention(q, k, v, impl="pallas").sum(), argnums=(0, 1, 2))(q, k, v)
 
-    calls = _pallas_operand_shapes(grad, q, k, v)
+    outputs = []
+    calls = _pallas_operand_shapes(grad, q, k, v, outputs=outputs)
     assert len(calls) >= 2  # the forward and at least one backward kernel
     for shapes in calls:  # every kernel takes (q, k, v, ...); the fused one k^T last
         kv_operands = shapes[1:3] + (shapes[6:7] if len(shapes) == 7 else [])
         assert all(s[1] == 2 for s in kv_operands) and shapes[0][1] == 8, shapes
+    # the dK/dV (here fused) kernel sums the group itself: dK, dV per kv head, in k's dtype — no f32 per query head
+    dk, dv = outputs[1][:2]
+    assert dk[0][1] == dv[0][1] == 2 and dk[1] == dv[1] == k.dtype, outputs[1]
+
+
+@pytest.mark.parametrize("dq_bytes", [None, 4 * 32 * 128 * 2])  # the whole group; 2 heads' dQ^T per step
+@pytest.mark.parametrize("fuse_dq", [True, False])
+def test_the_backward_sums_a_group_in_its_kernels(fuse_dq, dq_bytes, monkeypatch):
+    """dK/dV (and fused) walk a group's query heads in turn and sum them in VMEM; with the fused kernel's dQ^T
+    room for only part of a group, the rest is summed outside: every way gives the gradients of MHA over
+    repeated k, v heads, summed over each group."""
+    if dq_bytes is not None:
+        monkeypatch.setattr(backward_kernels, "FUSED_DQ_MAX_BYTES", dq_bytes)
+        assert backward_kernels.fused_heads_inner(4, 32, 128) == 2
+    q, k, v, do = _inputs(8, 2, 96 + (dq_bytes or 0) % 7, 136, 32, jnp.float32, seed=4)
+    sizes = BlockSizes(block_q=32, block_k=128)
+    out, lse = flash_attention_forward(q, k, v, causal=True, block_sizes=sizes, interpret=True, return_lse=True)
+    got = flash_attention_backward(q, k, v, out, lse, do, causal=True, block_sizes=sizes, interpret=True,
+                                   fuse_dq=fuse_dq)
+    k4, v4 = (jnp.repeat(x, 4, axis=1) for x in (k, v))
+    dq, dk4, dv4 = flash_attention_backward(q, k4, v4, out, lse, do, causal=True, block_sizes=sizes, interpret=True,
+                                            fuse_dq=fuse_dq)
+    want = (dq, *(x.reshape(1, 2, 4, *x.shape[2:]).sum(axis=2) for x in (dk4, dv4)))
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
 
 
 def test_a_grid_step_takes_the_whole_group_when_it_fits():

@@ -33,8 +33,13 @@ already in hand. It writes each query block of dQ^T on the last key block. 5 mat
 axis turns sequential ("arbitrary"). (Cycle estimates: ``data/optimisation/backward_README.md``.)
 
 Grouped-query attention: a group's query heads read one kv head (``h // group`` in the k/v index maps; K
-and V are never repeated in HBM); dK and dV come out per query head, in f32, and
-:func:`flashlib.kernels.tpu_backward.backward` sums each group — FlashAttention 2's way for MQA/GQA.
+and V are never repeated in HBM). The dK/dV and fused kernels walk the group's query heads one after another
+on their sequential query axis (``heads_inner`` of them: the inner grid step ``i`` is head ``i // steps``,
+query step ``i % steps``), so a key block is copied once per group and its dK and dV accumulate the whole
+group's sum in VMEM: written once, in k's dtype. Only where the fused kernel's ``dQ^T`` for the whole group
+would not fit (``FUSED_DQ_MAX_BYTES``) does it take fewer heads, and
+:func:`flashlib.kernels.tpu_backward.backward` sums the rest from f32 partial sums — FlashAttention 2's way.
+The dQ kernel reads k and v once per query head.
 
 The variants (:mod:`flashlib.kernels.variants`) follow the forward's: the window's band decides the three
 kinds of block, and with a left edge the dK/dV kernel's query axis and the dQ kernel's key axis walk only the
@@ -67,12 +72,18 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from flashlib import cost, geometry
+from flashlib.hardware import MIB
 from flashlib.kernels.block_sizes import BlockSizes, vmem_limit_bytes
 from flashlib.kernels.scores import NT_DIMS, base2_scores, lanes_to, sublanes_to
 from flashlib.kernels.variants import PLAIN, KernelVariants, mask_scores, segment_blocks, soft_cap, with_tables
-from flashlib.tiling import NUM_LANES, NUM_SUBLANES, round_up
+from flashlib.tiling import F32_BYTES, NUM_LANES, NUM_SUBLANES, round_up
 
 PARALLEL, ARBITRARY = "parallel", "arbitrary"
+# The largest dQ^T accumulator ([head_dim, q_len] f32, per step's query heads) the fused kernel keeps in VMEM:
+# 4 MiB is 8192 queries at head_dim 128; longer sequences run the separate dQ kernel. The fused kernel asks the
+# compiler for this VMEM (and its k^T and dQ^T blocks) on top of the dK/dV kernel's checked budget; v5e and
+# v6e have 128 MiB.
+FUSED_DQ_MAX_BYTES = 4 * MIB
 
 
 def _rows_to_columns(rows: jax.Array) -> jax.Array:
@@ -190,12 +201,18 @@ def _accumulate_dkv(refs: _Refs, dk_acc_ref, dv_acc_ref, q_block, kv_block, *, m
     return ds_t
 
 
+def _query_step(step, q_steps: int, heads_inner: int):
+    """The query step of the dK/dV and fused grids' inner step ``step``: with ``heads_inner`` query heads walked
+    one after another (GQA), ``step % q_steps``; else the step itself."""
+    return step if heads_inner == 1 else step - lax.div(step, q_steps) * q_steps
+
+
 def _dkv_kernel(
     *refs,  # q [block_q, d], k [block_k, d], v [block_k, dv], dO [block_q, dv], lse and D [8, block_q] f32 (lse
             # base 2), (segment ids: q [8, block_q], kv [block_k, 128]); out dK [block_k, d], dV [block_k, dv];
             # scratch: their f32 accumulators
     causal: bool, scale: float, q_len: int, kv_len: int, has_padding: bool, variants: KernelVariants,
-    num_q_blocks: int,
+    num_q_blocks: int, q_steps: int, heads_inner: int,
 ):
     live_ref, in_refs, (dk_ref, dv_ref, dk_acc_ref, dv_acc_ref) = _take_refs(refs, variants)
     block_q, block_k = in_refs.q.shape[0], in_refs.k.shape[0]
@@ -203,12 +220,13 @@ def _dkv_kernel(
                           window=variants.window)
     kv_block = pl.program_id(2)
     # with a window bounded on the left, the query axis walks only this key block's live query blocks
-    q_block, live = geometry.visited_block(kv_block, pl.program_id(3), outer_block=block_k, inner_block=block_q,
+    step = _query_step(pl.program_id(3), q_steps, heads_inner)  # (GQA: of this query head, the group's heads in turn)
+    q_block, live = geometry.visited_block(kv_block, step, outer_block=block_k, inner_block=block_q,
                                            num_inner=num_q_blocks, q_len=q_len, kv_len=kv_len, causal=causal,
                                            window=variants.window, keys_inner=False)
     live = live & _pair_is_live(live_ref, kv_block, q_block, num_q_blocks)
 
-    @pl.when(pl.program_id(3) == 0)
+    @pl.when(pl.program_id(3) == 0)  # the first query head's first step: the accumulators sum the whole group
     def init():
         dk_acc_ref[...] = jnp.zeros(dk_acc_ref.shape, jnp.float32)  # [block_k, head_dim]
         dv_acc_ref[...] = jnp.zeros(dv_acc_ref.shape, jnp.float32)  # [block_k, v_head_dim]
@@ -230,18 +248,21 @@ def _fused_kernel(
     *refs,  # as in _dkv_kernel, then k^T [head_dim, block_k]; out: dK, dV, dQ^T [head_dim, block_q]; scratch:
             # the dK, dV accumulators and dQ^T [head_dim, Tq] f32, the whole head's
     causal: bool, scale: float, q_len: int, kv_len: int, has_padding: bool, variants: KernelVariants,
+    q_steps: int, heads_inner: int,
 ):
     """:func:`_dkv_kernel`, and with the ``dS^T`` tile it already has, ``dQ^T[:, q block] += k^T dS^T``. Its
-    query axis is the whole sequence (a window bounded on the left runs the separate kernels, which compact)."""
+    query axis is the whole sequence (a window bounded on the left runs the separate kernels, which compact);
+    with GQA, the whole sequence of each of the ``heads_inner`` query heads in turn, their dQ^T side by side."""
     live_ref, in_refs, (k_t_ref, dk_ref, dv_ref, dq_t_ref, dk_acc_ref, dv_acc_ref, dq_t_acc_ref) = _take_refs(
         refs, variants)
     block_q, block_k = in_refs.q.shape[0], in_refs.k.shape[0]
-    kv_block, q_block = pl.program_id(2), pl.program_id(3)
+    kv_block, step = pl.program_id(2), pl.program_id(3)  # step: (query head of the step's group, query block)
+    q_block = _query_step(step, q_steps, heads_inner)
     block_geometry = dict(block_q=block_q, block_k=block_k, q_len=q_len, kv_len=kv_len, causal=causal,
                           window=variants.window)
-    q_columns = pl.ds(pl.multiple_of(q_block * block_q, block_q), block_q)  # this query block in dQ^T
+    q_columns = pl.ds(pl.multiple_of(step * block_q, block_q), block_q)  # this head's query block in dQ^T
 
-    @pl.when(q_block == 0)
+    @pl.when(step == 0)
     def init():
         dk_acc_ref[...] = jnp.zeros(dk_acc_ref.shape, jnp.float32)  # [block_k, head_dim]
         dv_acc_ref[...] = jnp.zeros(dv_acc_ref.shape, jnp.float32)  # [block_k, v_head_dim]
@@ -257,9 +278,9 @@ def _fused_kernel(
         dq_t_acc_ref[:, q_columns] += dq_t
 
     _visit_block(body, q_block, kv_block, may_mask=variants.may_mask(causal, has_padding), segments=variants.segments,
-                 live=_pair_is_live(live_ref, kv_block, q_block, pl.num_programs(3)), block_geometry=block_geometry)
+                 live=_pair_is_live(live_ref, kv_block, q_block, q_steps), block_geometry=block_geometry)
 
-    @pl.when(q_block == pl.num_programs(3) - 1)
+    @pl.when(step == pl.num_programs(3) - 1)
     def finalize():
         dk_ref[...] = (dk_acc_ref[...] * scale).astype(dk_ref.dtype)  # [block_k, head_dim]   scale once, here
         dv_ref[...] = dv_acc_ref[...].astype(dv_ref.dtype)  # [block_k, v_head_dim]
@@ -275,14 +296,23 @@ def _kv_head(h, group: int):
 
 
 def _dkv_specs(head_dim: int, v_head_dim: int, block_q: int, block_k: int, *, causal: bool, q_len: int,
-               kv_len: int, group: int = 1, window=None, segments: bool = False):
-    """The BlockSpecs of the dK/dV and fused grids ``(b, h, kv block j, q step i)``, in the kernels' input order:
-    q, k, v, dO, the lse and D rows (and the segment ids); then the outputs dK and dV (per query head: with
-    GQA the group's heads are summed afterwards, FlashAttention 2's way). Grid step ``i`` reads the query block
-    :func:`flashlib.geometry.fetched_block` names: with a window bounded on the left, ``first + i`` of key block
-    ``j``'s live range clamped to its last; else block ``i`` raised to the first the key block needs. Either way
-    a skipped step keeps its neighbour's index, so the pipeline copies nothing for it."""
+               kv_len: int, group: int = 1, window=None, segments: bool = False, heads_inner: int = 1,
+               q_steps: int = 1):
+    """The BlockSpecs of the dK/dV and fused grids ``(b, h, kv block j, step i)``, in the kernels' input order:
+    q, k, v, dO, the lse and D rows (and the segment ids); then the outputs dK and dV, one per grid head ``h``.
+    Step ``i`` is query head ``h * heads_inner + i // q_steps`` (GQA: ``heads_inner`` heads of a group one after
+    another, summing into one dK/dV; 1: one query head per grid head) at query step ``i % q_steps``, which reads
+    the query block :func:`flashlib.geometry.fetched_block` names: with a window bounded on the left, ``first +
+    step`` of key block ``j``'s live range clamped to its last; else the step raised to the first block the key
+    block needs. Either way a skipped step keeps its neighbour's index, so the pipeline copies nothing for it."""
     num_q_blocks, num_kv_blocks = -(-q_len // block_q), -(-kv_len // block_k)
+
+    def head_and_step(h, i):
+        """(query head, query step) of grid step ``i`` of grid head ``h``."""
+        if heads_inner == 1:
+            return h, i
+        head_in_group = lax.div(i, q_steps)
+        return h * heads_inner + head_in_group, i - head_in_group * q_steps
 
     def q_block_of(b, j, i, tables):
         step = geometry.fetched_block(j, i, outer_block=block_k, inner_block=block_q, num_inner=num_q_blocks,
@@ -292,16 +322,18 @@ def _dkv_specs(head_dim: int, v_head_dim: int, block_q: int, block_k: int, *, ca
         return step
 
     def kv_index_map(b, h, j, i, *tables):
-        return b, _kv_head(h, group), j, 0
+        return b, _kv_head(h, group // heads_inner), j, 0
 
     def dkv_index_map(b, h, j, i, *tables):
         return b, h, j, 0
 
     def q_index_map(b, h, j, i, *tables):
-        return b, h, q_block_of(b, j, i, tables), 0
+        head, step = head_and_step(h, i)
+        return b, head, q_block_of(b, j, step, tables), 0
 
     def row_stat_index_map(b, h, j, i, *tables):
-        return b, h, 0, q_block_of(b, j, i, tables)
+        head, step = head_and_step(h, i)
+        return b, head, 0, q_block_of(b, j, step, tables)
 
     squeezed = pl.squeezed
     row_spec = pl.BlockSpec((squeezed, squeezed, NUM_SUBLANES, block_q), row_stat_index_map)
@@ -312,21 +344,23 @@ def _dkv_specs(head_dim: int, v_head_dim: int, block_q: int, block_k: int, *, ca
                 row_spec, row_spec]
     if segments:  # q ids as rows [8, block_q], kv ids as columns [block_k, 128]
         in_specs += [pl.BlockSpec((squeezed, NUM_SUBLANES, block_q),
-                                  lambda b, h, j, i, *t: (b, 0, q_block_of(b, j, i, t))),
+                                  lambda b, h, j, i, *t: (b, 0, q_block_of(b, j, head_and_step(h, i)[1], t))),
                      pl.BlockSpec((squeezed, block_k, NUM_LANES), lambda b, h, j, i, *t: (b, j, 0))]
     out_specs = [pl.BlockSpec((squeezed, squeezed, block_k, head_dim), dkv_index_map),
                  pl.BlockSpec((squeezed, squeezed, block_k, v_head_dim), dkv_index_map)]
     return in_specs, out_specs
 
 
-def _cost_estimate(kernel: str, dims: tuple, dtype, sizes: BlockSizes, window=None) -> pl.CostEstimate:
+def _cost_estimate(kernel: str, dims: tuple, dtype, sizes: BlockSizes, window=None,
+                   heads_per_step: int = 1) -> pl.CostEstimate:
     """``kernel``'s (``"dkv"``, ``"fused"``, ``"dq"``) pl.CostEstimate, from :mod:`flashlib.cost`: the blocks and
     copies of the band (causal, ``window``); with segment ids, the band's (a bound: :mod:`flashlib.cost`)."""
     return pl.CostEstimate(
         flops=cost.attention_backward_flops(*dims, block_sizes=sizes, kernel=kernel, window=window),
         transcendentals=cost.attention_backward_transcendentals(*dims, block_sizes=sizes, kernel=kernel,
                                                                 window=window),
-        bytes_accessed=cost.attention_backward_bytes(*dims, dtype, block_sizes=sizes, kernel=kernel, window=window),
+        bytes_accessed=cost.attention_backward_bytes(*dims, dtype, block_sizes=sizes, kernel=kernel, window=window,
+                                                     heads_per_step=heads_per_step),
     )
 
 
@@ -347,26 +381,26 @@ def _segment_tables(ids, variants: KernelVariants, **geometry_) -> list:
 
 def _dkv(q, k, v, do, lse_rows, d_rows, ids=None, *, causal: bool, scale: float, q_len: int, kv_len: int,
          sizes: BlockSizes, interpret, variants: KernelVariants = PLAIN) -> tuple[jax.Array, jax.Array]:
-    """dK, dV ``[b, h, num_kv_blocks * block_k, d or dv]`` from padded inputs (rows past ``kv_len``: padding),
-    per query head ``h`` (with GQA in f32, for the caller to sum over each group). ``ids``: the segment ids'
-    layouts (:func:`~flashlib.kernels.variants.segment_layouts`) when ``variants.segments``."""
+    """dK, dV ``[b, kv_heads, num_kv_blocks * block_k, d or dv]`` from padded inputs (rows past ``kv_len``:
+    padding): with GQA the group's query heads run one after another on the query axis and sum into one
+    dK/dV. ``ids``: the segment ids' layouts (:func:`~flashlib.kernels.variants.segment_layouts`) when
+    ``variants.segments``."""
     batch, heads, _, head_dim = q.shape
     v_head_dim, group = v.shape[3], heads // k.shape[1]
     block_q, block_k = sizes.blocks("dkv")
     num_q_blocks, num_kv_blocks = -(-q_len // block_q), -(-kv_len // block_k)
     geo = dict(causal=causal, q_len=q_len, kv_len=kv_len, window=variants.window)
-    in_specs, out_specs = _dkv_specs(head_dim, v_head_dim, block_q, block_k, group=group,
-                                     segments=variants.segments, **geo)
     grid_q_steps = geometry.live_steps(num_kv_blocks, outer_block=block_k, inner_block=block_q,
                                        num_inner=num_q_blocks, keys_inner=False, **geo)
-    dk_dtype, dv_dtype = (k.dtype, v.dtype) if group == 1 else (jnp.float32, jnp.float32)
+    in_specs, out_specs = _dkv_specs(head_dim, v_head_dim, block_q, block_k, group=group,
+                                     segments=variants.segments, heads_inner=group, q_steps=grid_q_steps, **geo)
     kernel = functools.partial(_dkv_kernel, causal=causal, scale=scale, q_len=q_len, kv_len=kv_len,
                                has_padding=num_kv_blocks * block_k != kv_len, variants=variants,
-                               num_q_blocks=num_q_blocks)
+                               num_q_blocks=num_q_blocks, q_steps=grid_q_steps, heads_inner=group)
     tables = _segment_tables(ids, variants, keys_outer=True, q_len=q_len, kv_len=kv_len, block_q=block_q,
                              block_k=block_k, causal=causal)
     grid = dict(
-        grid=(batch, heads, num_kv_blocks, grid_q_steps),
+        grid=(batch, heads // group, num_kv_blocks, group * grid_q_steps),
         in_specs=in_specs,
         out_specs=out_specs,
         scratch_shapes=[
@@ -377,11 +411,11 @@ def _dkv(q, k, v, do, lse_rows, d_rows, ids=None, *, causal: bool, scale: float,
     return pl.pallas_call(
         kernel,
         **with_tables(grid, len(tables)),
-        out_shape=[jax.ShapeDtypeStruct((batch, heads, num_kv_blocks * block_k, head_dim), dk_dtype),
-                   jax.ShapeDtypeStruct((batch, heads, num_kv_blocks * block_k, v_head_dim), dv_dtype)],
+        out_shape=[jax.ShapeDtypeStruct((batch, heads // group, num_kv_blocks * block_k, head_dim), k.dtype),
+                   jax.ShapeDtypeStruct((batch, heads // group, num_kv_blocks * block_k, v_head_dim), v.dtype)],
         compiler_params=pltpu.CompilerParams(dimension_semantics=(PARALLEL, PARALLEL, PARALLEL, ARBITRARY)),
         cost_estimate=_cost_estimate("dkv", (batch, heads, q_len, kv_len, head_dim, causal), q.dtype, sizes,
-                                     variants.window),
+                                     variants.window, heads_per_step=group),
         interpret=interpret,
         name="flash_attention_dkv" + ("_causal" if causal else ""),
     )(*tables, *_inputs(q, k, v, do, lse_rows, d_rows, ids, variants, "q_rows", "kv_columns"))
@@ -390,54 +424,71 @@ def _dkv(q, k, v, do, lse_rows, d_rows, ids=None, *, causal: bool, scale: float,
 def _fused(q, k, v, do, lse_rows, d_rows, ids=None, *, causal: bool, scale: float, q_len: int, kv_len: int,
            sizes: BlockSizes, interpret, variants: KernelVariants = PLAIN
            ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """dK, dV as :func:`_dkv` and dQ^T ``[b, h, d, num_q_blocks * block_q]`` (q padded to exactly that length)."""
+    """dK, dV as :func:`_dkv` — ``[b, h / p, ...]`` for the ``p`` query heads of a group whose dQ^T fit
+    :data:`FUSED_DQ_MAX_BYTES` together (:func:`fused_heads_inner`; f32 partial sums for the caller to add when
+    ``p`` is less than the group) — and dQ^T ``[b, h, d, num_q_blocks * block_q]`` (q padded to exactly that
+    length)."""
     batch, heads, _, head_dim = q.shape
     v_head_dim, group = v.shape[3], heads // k.shape[1]
     block_q, block_k = sizes.blocks("fused")
     num_q_blocks, num_kv_blocks = -(-q_len // block_q), -(-kv_len // block_k)
+    squeezed, q_padded_len = pl.squeezed, num_q_blocks * block_q
+    inner = fused_heads_inner(group, head_dim, q_padded_len)  # query heads per grid head, one after another
     in_specs, out_specs = _dkv_specs(head_dim, v_head_dim, block_q, block_k, causal=causal, q_len=q_len,
                                      kv_len=kv_len, group=group, window=variants.window,
-                                     segments=variants.segments)
-    dk_dtype, dv_dtype = (k.dtype, v.dtype) if group == 1 else (jnp.float32, jnp.float32)
+                                     segments=variants.segments, heads_inner=inner, q_steps=num_q_blocks)
+    dk_dtype, dv_dtype = (k.dtype, v.dtype) if inner == group else (jnp.float32, jnp.float32)
 
     def k_t_index_map(b, h, j, i, *tables):
-        return b, _kv_head(h, group), 0, j
+        return b, _kv_head(h, group // inner), 0, j
 
     def dq_t_index_map(b, h, j, i, *tables):
-        """Query block ``i`` on the last key block, where it is written; block 0 before (no copy out)."""
+        """Block ``i`` (query head ``i // num_q_blocks`` of the step's, its query block ``i % num_q_blocks``) on
+        the last key block, where it is written; block 0 before (no copy out)."""
         return b, h, 0, jnp.where(j == num_kv_blocks - 1, i, 0)
 
-    squeezed, q_padded_len = pl.squeezed, num_q_blocks * block_q
-    k_t = jnp.swapaxes(k, 2, 3)  # [b, h, d, Tk]
-    extra_vmem = _fused_vmem_bytes(q_padded_len, head_dim, block_q, block_k, q.dtype)  # beyond the dK/dV budget
+    k_t = jnp.swapaxes(k, 2, 3)  # [b, kv_heads, d, Tk]
+    extra_vmem = _fused_vmem_bytes(inner * q_padded_len, head_dim, block_q, block_k, q.dtype)  # beyond dK/dV's
     kernel = functools.partial(_fused_kernel, causal=causal, scale=scale, q_len=q_len, kv_len=kv_len,
-                               has_padding=num_kv_blocks * block_k != kv_len, variants=variants)
+                               has_padding=num_kv_blocks * block_k != kv_len, variants=variants,
+                               q_steps=num_q_blocks, heads_inner=inner)
     tables = _segment_tables(ids, variants, keys_outer=True, q_len=q_len, kv_len=kv_len, block_q=block_q,
                              block_k=block_k, causal=causal)
     grid = dict(
-        grid=(batch, heads, num_kv_blocks, num_q_blocks),
+        grid=(batch, heads // inner, num_kv_blocks, inner * num_q_blocks),
         in_specs=[*in_specs, pl.BlockSpec((squeezed, squeezed, head_dim, block_k), k_t_index_map)],
         out_specs=[*out_specs, pl.BlockSpec((squeezed, squeezed, head_dim, block_q), dq_t_index_map)],
         scratch_shapes=[
             pltpu.VMEM((block_k, head_dim), jnp.float32),  # dK accumulator
             pltpu.VMEM((block_k, v_head_dim), jnp.float32),  # dV accumulator
-            pltpu.VMEM((head_dim, q_padded_len), jnp.float32),  # dQ^T accumulator, one head
+            pltpu.VMEM((head_dim, inner * q_padded_len), jnp.float32),  # dQ^T accumulator, the step's heads
         ],
     )
-    return pl.pallas_call(
+    dk, dv, dq_t = pl.pallas_call(
         kernel,
         **with_tables(grid, len(tables)),
-        out_shape=[jax.ShapeDtypeStruct((batch, heads, num_kv_blocks * block_k, head_dim), dk_dtype),
-                   jax.ShapeDtypeStruct((batch, heads, num_kv_blocks * block_k, v_head_dim), dv_dtype),
-                   jax.ShapeDtypeStruct((batch, heads, head_dim, q_padded_len), q.dtype)],
+        out_shape=[jax.ShapeDtypeStruct((batch, heads // inner, num_kv_blocks * block_k, head_dim), dk_dtype),
+                   jax.ShapeDtypeStruct((batch, heads // inner, num_kv_blocks * block_k, v_head_dim), dv_dtype),
+                   jax.ShapeDtypeStruct((batch, heads // inner, head_dim, inner * q_padded_len), q.dtype)],
         compiler_params=pltpu.CompilerParams(  # dQ^T sums over the key blocks: that axis turns sequential too
             dimension_semantics=(PARALLEL, PARALLEL, ARBITRARY, ARBITRARY),
             vmem_limit_bytes=vmem_limit_bytes(sizes.generation) + extra_vmem),
         cost_estimate=_cost_estimate("fused", (batch, heads, q_len, kv_len, head_dim, causal), q.dtype, sizes,
-                                     variants.window),
+                                     variants.window, heads_per_step=inner),
         interpret=interpret,
         name="flash_attention_dkv_dq" + ("_causal" if causal else ""),
     )(*tables, *_inputs(q, k, v, do, lse_rows, d_rows, ids, variants, "q_rows", "kv_columns"), k_t)
+    # [b, h / inner, d, inner * Tq] -> [b, h, d, Tq]: the step's heads side by side along the queries
+    dq_t = dq_t.reshape(batch, heads // inner, head_dim, inner, q_padded_len).swapaxes(2, 3)
+    return dk, dv, dq_t.reshape(batch, heads, head_dim, q_padded_len)
+
+
+def fused_heads_inner(group: int, head_dim: int, q_padded_len: int) -> int:
+    """How many query heads of a GQA group the fused kernel walks in turn per grid head: the largest divisor
+    of ``group`` whose dQ^T accumulators ``[head_dim, q_len]`` f32 fit :data:`FUSED_DQ_MAX_BYTES` together (at
+    least 1: :func:`flashlib.kernels.tpu_backward._fuses_dq` has checked one)."""
+    one_head = round_up(head_dim, NUM_SUBLANES) * q_padded_len * F32_BYTES
+    return max(p for p in range(1, group + 1) if group % p == 0 and (p == 1 or p * one_head <= FUSED_DQ_MAX_BYTES))
 
 
 def _fused_vmem_bytes(q_padded_len: int, head_dim: int, block_q: int, block_k: int, dtype) -> int:

@@ -22,8 +22,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
 from flashlib.geometry import MASK_VALUE
-from flashlib.hardware import MIB
-from flashlib.kernels.backward_kernels import _dkv, _dq, _fused
+from flashlib.kernels.backward_kernels import FUSED_DQ_MAX_BYTES, _dkv, _dq, _fused
 from flashlib.kernels.block_sizes import BlockSizes
 from flashlib.kernels.options import resolve_call
 from flashlib.kernels.scores import LOG2_E
@@ -35,10 +34,6 @@ __all__ = ["FUSED_DQ_MAX_BYTES", "NO_KEY_LSE", "flash_attention_backward"]
 # The lse given to padded query rows and to rows that see no key: exp2(s - NO_KEY_LSE) is 0 for every score
 # s, masked (MASK_VALUE) or not, so such a row adds nothing to dK, dV and gets dQ = 0. Finite, like MASK_VALUE.
 NO_KEY_LSE = -MASK_VALUE
-# The largest dQ^T accumulator ([head_dim, q_len] f32) the fused kernel keeps in VMEM: 4 MiB is 8192 queries
-# at head_dim 128; longer sequences run the separate dQ kernel. The fused kernel asks the compiler for this
-# VMEM (and its k^T and dQ^T blocks) on top of the dK/dV kernel's checked budget; v5e and v6e have 128 MiB.
-FUSED_DQ_MAX_BYTES = 4 * MIB
 
 
 def _fuses_dq(sizes: BlockSizes, q_len: int, kv_len: int, head_dim: int, fuse_dq: bool | None,
@@ -145,9 +140,9 @@ def backward(q, k, v, out, lse2, do, dlse, segment_ids=None, sinks=None, *, caus
     else:
         dk, dv = _dkv(*inputs, **settings)  # [b, h, nk * block_k_dkv, d or dv]
         dq = _dq(*inputs, **settings)  # [b, h, nq * block_q_dq, d]
-    dk, dv = dk[:, :, :kv_len], dv[:, :, :kv_len]  # [b, h, kv_len, d or dv], per query head
+    dk, dv = dk[:, :, :kv_len], dv[:, :, :kv_len]  # [b, kv_heads, kv_len, d or dv] (or partial sums, below)
     kv_heads = k.shape[1]
-    if kv_heads != q.shape[1]:  # GQA: each kv head's gradient is the sum over its group of query heads (in f32)
+    if dk.shape[1] != kv_heads:  # GQA, fused with fewer heads per step than the group: add the f32 partial sums
         dk, dv = (x.reshape(x.shape[0], kv_heads, -1, *x.shape[2:]).sum(axis=2) for x in (dk, dv))
         dk, dv = dk.astype(k.dtype), dv.astype(v.dtype)
     grads = (dq[:, :, :q_len], dk, dv)
