@@ -33,10 +33,10 @@ already in hand. It writes each query block of dQ^T on the last key block. 5 mat
 axis turns sequential ("arbitrary"). (Cycle estimates: ``data/optimisation/backward_README.md``.)
 
 Grouped-query attention: a group's query heads read one kv head (``h // group`` in the k/v index maps; K
-and V are never repeated in HBM). The dK/dV and fused kernels walk the group's query heads one after another
-on their sequential query axis (``heads_inner`` of them: the inner grid step ``i`` is head ``i // steps``,
-query step ``i % steps``), so a key block is copied once per group and its dK and dV accumulate the whole
-group's sum in VMEM: written once, in k's dtype. Only where the fused kernel's ``dQ^T`` for the whole group
+and V are never repeated in HBM). The dK/dV and fused kernels walk the group's query heads one after another:
+their grid gains a sequential axis of ``heads_inner`` query heads before the query axis, ``(batch, kv heads,
+kv blocks, head of the group, q steps)``, so a key block is copied once per group and its dK and dV accumulate
+the whole group's sum in VMEM: written once, in k's dtype. Only where the fused kernel's ``dQ^T`` for the whole group
 would not fit (``FUSED_DQ_MAX_BYTES``) does it take fewer heads, and
 :func:`flashlib.kernels.tpu_backward.backward` sums the rest from f32 partial sums — FlashAttention 2's way.
 The dQ kernel reads k and v once per query head.
@@ -201,10 +201,17 @@ def _accumulate_dkv(refs: _Refs, dk_acc_ref, dv_acc_ref, q_block, kv_block, *, m
     return ds_t
 
 
-def _query_step(step, q_steps: int, heads_inner: int):
-    """The query step of the dK/dV and fused grids' inner step ``step``: with ``heads_inner`` query heads walked
-    one after another (GQA), ``step % q_steps``; else the step itself."""
-    return step if heads_inner == 1 else step - lax.div(step, q_steps) * q_steps
+def _inner_steps(heads_inner: int):
+    """``(head, step, first, last)`` of a dK/dV or fused grid step: the query head of the step's group (0
+    without GQA's extra axis), the query step, and whether this is the first / last step that accumulates into
+    the key block's dK and dV (the group's first head's first step, its last head's last)."""
+    step_axis = 3 if heads_inner == 1 else 4
+    step = pl.program_id(step_axis)
+    first, last = step == 0, step == pl.num_programs(step_axis) - 1
+    if heads_inner == 1:
+        return 0, step, first, last
+    head = pl.program_id(3)
+    return head, step, first & (head == 0), last & (head == heads_inner - 1)
 
 
 def _dkv_kernel(
@@ -212,7 +219,7 @@ def _dkv_kernel(
             # base 2), (segment ids: q [8, block_q], kv [block_k, 128]); out dK [block_k, d], dV [block_k, dv];
             # scratch: their f32 accumulators
     causal: bool, scale: float, q_len: int, kv_len: int, has_padding: bool, variants: KernelVariants,
-    num_q_blocks: int, q_steps: int, heads_inner: int,
+    num_q_blocks: int, heads_inner: int,
 ):
     live_ref, in_refs, (dk_ref, dv_ref, dk_acc_ref, dv_acc_ref) = _take_refs(refs, variants)
     block_q, block_k = in_refs.q.shape[0], in_refs.k.shape[0]
@@ -220,13 +227,13 @@ def _dkv_kernel(
                           window=variants.window)
     kv_block = pl.program_id(2)
     # with a window bounded on the left, the query axis walks only this key block's live query blocks
-    step = _query_step(pl.program_id(3), q_steps, heads_inner)  # (GQA: of this query head, the group's heads in turn)
+    _, step, first, last = _inner_steps(heads_inner)  # (GQA: of this query head, the group's heads in turn)
     q_block, live = geometry.visited_block(kv_block, step, outer_block=block_k, inner_block=block_q,
                                            num_inner=num_q_blocks, q_len=q_len, kv_len=kv_len, causal=causal,
                                            window=variants.window, keys_inner=False)
     live = live & _pair_is_live(live_ref, kv_block, q_block, num_q_blocks)
 
-    @pl.when(pl.program_id(3) == 0)  # the first query head's first step: the accumulators sum the whole group
+    @pl.when(first)  # with GQA the first head's first step: the accumulators sum the whole group
     def init():
         dk_acc_ref[...] = jnp.zeros(dk_acc_ref.shape, jnp.float32)  # [block_k, head_dim]
         dv_acc_ref[...] = jnp.zeros(dv_acc_ref.shape, jnp.float32)  # [block_k, v_head_dim]
@@ -238,7 +245,7 @@ def _dkv_kernel(
     _visit_block(body, q_block, kv_block, may_mask=variants.may_mask(causal, has_padding), segments=variants.segments,
                  live=live, block_geometry=block_geometry)
 
-    @pl.when(pl.program_id(3) == pl.num_programs(3) - 1)
+    @pl.when(last)
     def finalize():
         dk_ref[...] = (dk_acc_ref[...] * scale).astype(dk_ref.dtype)  # [block_k, head_dim]   scale once, here
         dv_ref[...] = dv_acc_ref[...].astype(dv_ref.dtype)  # [block_k, v_head_dim]
@@ -252,17 +259,19 @@ def _fused_kernel(
 ):
     """:func:`_dkv_kernel`, and with the ``dS^T`` tile it already has, ``dQ^T[:, q block] += k^T dS^T``. Its
     query axis is the whole sequence (a window bounded on the left runs the separate kernels, which compact);
-    with GQA, the whole sequence of each of the ``heads_inner`` query heads in turn, their dQ^T side by side."""
+    with GQA, the whole sequence of each of the ``heads_inner`` query heads in turn, their dQ^T side by side
+    (``q_steps`` blocks each)."""
     live_ref, in_refs, (k_t_ref, dk_ref, dv_ref, dq_t_ref, dk_acc_ref, dv_acc_ref, dq_t_acc_ref) = _take_refs(
         refs, variants)
     block_q, block_k = in_refs.q.shape[0], in_refs.k.shape[0]
-    kv_block, step = pl.program_id(2), pl.program_id(3)  # step: (query head of the step's group, query block)
-    q_block = _query_step(step, q_steps, heads_inner)
+    kv_block = pl.program_id(2)
+    head, q_block, first, last = _inner_steps(heads_inner)  # head: of the step's group (GQA)
     block_geometry = dict(block_q=block_q, block_k=block_k, q_len=q_len, kv_len=kv_len, causal=causal,
                           window=variants.window)
-    q_columns = pl.ds(pl.multiple_of(step * block_q, block_q), block_q)  # this head's query block in dQ^T
+    column = (head * q_steps + q_block) * block_q  # this head's query block in dQ^T
+    q_columns = pl.ds(pl.multiple_of(column, block_q), block_q)
 
-    @pl.when(step == 0)
+    @pl.when(first)
     def init():
         dk_acc_ref[...] = jnp.zeros(dk_acc_ref.shape, jnp.float32)  # [block_k, head_dim]
         dv_acc_ref[...] = jnp.zeros(dv_acc_ref.shape, jnp.float32)  # [block_k, v_head_dim]
@@ -280,7 +289,7 @@ def _fused_kernel(
     _visit_block(body, q_block, kv_block, may_mask=variants.may_mask(causal, has_padding), segments=variants.segments,
                  live=_pair_is_live(live_ref, kv_block, q_block, q_steps), block_geometry=block_geometry)
 
-    @pl.when(step == pl.num_programs(3) - 1)
+    @pl.when(last)
     def finalize():
         dk_ref[...] = (dk_acc_ref[...] * scale).astype(dk_ref.dtype)  # [block_k, head_dim]   scale once, here
         dv_ref[...] = dv_acc_ref[...].astype(dv_ref.dtype)  # [block_k, v_head_dim]
@@ -296,23 +305,22 @@ def _kv_head(h, group: int):
 
 
 def _dkv_specs(head_dim: int, v_head_dim: int, block_q: int, block_k: int, *, causal: bool, q_len: int,
-               kv_len: int, group: int = 1, window=None, segments: bool = False, heads_inner: int = 1,
-               q_steps: int = 1):
-    """The BlockSpecs of the dK/dV and fused grids ``(b, h, kv block j, step i)``, in the kernels' input order:
-    q, k, v, dO, the lse and D rows (and the segment ids); then the outputs dK and dV, one per grid head ``h``.
-    Step ``i`` is query head ``h * heads_inner + i // q_steps`` (GQA: ``heads_inner`` heads of a group one after
-    another, summing into one dK/dV; 1: one query head per grid head) at query step ``i % q_steps``, which reads
-    the query block :func:`flashlib.geometry.fetched_block` names: with a window bounded on the left, ``first +
-    step`` of key block ``j``'s live range clamped to its last; else the step raised to the first block the key
-    block needs. Either way a skipped step keeps its neighbour's index, so the pipeline copies nothing for it."""
+               kv_len: int, group: int = 1, window=None, segments: bool = False, heads_inner: int = 1):
+    """The BlockSpecs of the dK/dV and fused grids ``(b, h, kv block j, step i)`` — with GQA's ``heads_inner`` >
+    1, ``(b, h, j, head g, step i)`` — in the kernels' input order: q, k, v, dO, the lse and D rows (and the
+    segment ids); then the outputs dK and dV, one per grid head ``h``. Query head ``h * heads_inner + g`` (a
+    group's heads one after another, summing into one dK/dV) at step ``i`` reads the query block
+    :func:`flashlib.geometry.fetched_block` names: with a window bounded on the left, ``first + i`` of key block
+    ``j``'s live range clamped to its last; else step ``i`` raised to the first block the key block needs. Either
+    way a skipped step keeps its neighbour's index, so the pipeline copies nothing for it. Every index map
+    takes ``(b, h, j, *steps, *tables)``: :func:`_grid_steps` splits the rest."""
     num_q_blocks, num_kv_blocks = -(-q_len // block_q), -(-kv_len // block_k)
+    steps = _grid_steps(heads_inner)
 
-    def head_and_step(h, i):
-        """(query head, query step) of grid step ``i`` of grid head ``h``."""
-        if heads_inner == 1:
-            return h, i
-        head_in_group = lax.div(i, q_steps)
-        return h * heads_inner + head_in_group, i - head_in_group * q_steps
+    def head_and_step(h, rest):
+        """(query head, query step, tables) of a grid step of grid head ``h``."""
+        g, i, tables = steps(rest)
+        return h * heads_inner + g, i, tables
 
     def q_block_of(b, j, i, tables):
         step = geometry.fetched_block(j, i, outer_block=block_k, inner_block=block_q, num_inner=num_q_blocks,
@@ -321,19 +329,23 @@ def _dkv_specs(head_dim: int, v_head_dim: int, block_q: int, block_k: int, *, ca
             step = tables[1][(b * num_kv_blocks + j) * num_q_blocks + step]
         return step
 
-    def kv_index_map(b, h, j, i, *tables):
+    def kv_index_map(b, h, j, *rest):
         return b, _kv_head(h, group // heads_inner), j, 0
 
-    def dkv_index_map(b, h, j, i, *tables):
+    def dkv_index_map(b, h, j, *rest):
         return b, h, j, 0
 
-    def q_index_map(b, h, j, i, *tables):
-        head, step = head_and_step(h, i)
+    def q_index_map(b, h, j, *rest):
+        head, step, tables = head_and_step(h, rest)
         return b, head, q_block_of(b, j, step, tables), 0
 
-    def row_stat_index_map(b, h, j, i, *tables):
-        head, step = head_and_step(h, i)
+    def row_stat_index_map(b, h, j, *rest):
+        head, step, tables = head_and_step(h, rest)
         return b, head, 0, q_block_of(b, j, step, tables)
+
+    def q_ids_index_map(b, h, j, *rest):
+        _, step, tables = head_and_step(h, rest)
+        return b, 0, q_block_of(b, j, step, tables)
 
     squeezed = pl.squeezed
     row_spec = pl.BlockSpec((squeezed, squeezed, NUM_SUBLANES, block_q), row_stat_index_map)
@@ -343,12 +355,21 @@ def _dkv_specs(head_dim: int, v_head_dim: int, block_q: int, block_k: int, *, ca
                 pl.BlockSpec((squeezed, squeezed, block_q, v_head_dim), q_index_map),
                 row_spec, row_spec]
     if segments:  # q ids as rows [8, block_q], kv ids as columns [block_k, 128]
-        in_specs += [pl.BlockSpec((squeezed, NUM_SUBLANES, block_q),
-                                  lambda b, h, j, i, *t: (b, 0, q_block_of(b, j, head_and_step(h, i)[1], t))),
-                     pl.BlockSpec((squeezed, block_k, NUM_LANES), lambda b, h, j, i, *t: (b, j, 0))]
+        in_specs += [pl.BlockSpec((squeezed, NUM_SUBLANES, block_q), q_ids_index_map),
+                     pl.BlockSpec((squeezed, block_k, NUM_LANES), lambda b, h, j, *rest: (b, j, 0))]
     out_specs = [pl.BlockSpec((squeezed, squeezed, block_k, head_dim), dkv_index_map),
                  pl.BlockSpec((squeezed, squeezed, block_k, v_head_dim), dkv_index_map)]
     return in_specs, out_specs
+
+
+def _grid_steps(heads_inner: int):
+    """A function splitting a dK/dV or fused index map's arguments after ``(b, h, j)`` into ``(head of the
+    group, query step, scalar-prefetched tables)``: the grid has the head axis only when ``heads_inner`` > 1."""
+    def split(rest):
+        if heads_inner == 1:
+            return 0, rest[0], rest[1:]
+        return rest[0], rest[1], rest[2:]
+    return split
 
 
 def _cost_estimate(kernel: str, dims: tuple, dtype, sizes: BlockSizes, window=None,
@@ -393,14 +414,14 @@ def _dkv(q, k, v, do, lse_rows, d_rows, ids=None, *, causal: bool, scale: float,
     grid_q_steps = geometry.live_steps(num_kv_blocks, outer_block=block_k, inner_block=block_q,
                                        num_inner=num_q_blocks, keys_inner=False, **geo)
     in_specs, out_specs = _dkv_specs(head_dim, v_head_dim, block_q, block_k, group=group,
-                                     segments=variants.segments, heads_inner=group, q_steps=grid_q_steps, **geo)
+                                     segments=variants.segments, heads_inner=group, **geo)
     kernel = functools.partial(_dkv_kernel, causal=causal, scale=scale, q_len=q_len, kv_len=kv_len,
                                has_padding=num_kv_blocks * block_k != kv_len, variants=variants,
-                               num_q_blocks=num_q_blocks, q_steps=grid_q_steps, heads_inner=group)
+                               num_q_blocks=num_q_blocks, heads_inner=group)
     tables = _segment_tables(ids, variants, keys_outer=True, q_len=q_len, kv_len=kv_len, block_q=block_q,
                              block_k=block_k, causal=causal)
     grid = dict(
-        grid=(batch, heads // group, num_kv_blocks, group * grid_q_steps),
+        grid=(batch, heads // group, num_kv_blocks, *_group_axis(group), grid_q_steps),
         in_specs=in_specs,
         out_specs=out_specs,
         scratch_shapes=[
@@ -413,7 +434,8 @@ def _dkv(q, k, v, do, lse_rows, d_rows, ids=None, *, causal: bool, scale: float,
         **with_tables(grid, len(tables)),
         out_shape=[jax.ShapeDtypeStruct((batch, heads // group, num_kv_blocks * block_k, head_dim), k.dtype),
                    jax.ShapeDtypeStruct((batch, heads // group, num_kv_blocks * block_k, v_head_dim), v.dtype)],
-        compiler_params=pltpu.CompilerParams(dimension_semantics=(PARALLEL, PARALLEL, PARALLEL, ARBITRARY)),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=(PARALLEL, PARALLEL, PARALLEL, *_group_axis(group, ARBITRARY), ARBITRARY)),
         cost_estimate=_cost_estimate("dkv", (batch, heads, q_len, kv_len, head_dim, causal), q.dtype, sizes,
                                      variants.window, heads_per_step=group),
         interpret=interpret,
@@ -436,16 +458,19 @@ def _fused(q, k, v, do, lse_rows, d_rows, ids=None, *, causal: bool, scale: floa
     inner = fused_heads_inner(group, head_dim, q_padded_len)  # query heads per grid head, one after another
     in_specs, out_specs = _dkv_specs(head_dim, v_head_dim, block_q, block_k, causal=causal, q_len=q_len,
                                      kv_len=kv_len, group=group, window=variants.window,
-                                     segments=variants.segments, heads_inner=inner, q_steps=num_q_blocks)
+                                     segments=variants.segments, heads_inner=inner)
     dk_dtype, dv_dtype = (k.dtype, v.dtype) if inner == group else (jnp.float32, jnp.float32)
 
-    def k_t_index_map(b, h, j, i, *tables):
+    steps = _grid_steps(inner)
+
+    def k_t_index_map(b, h, j, *rest):
         return b, _kv_head(h, group // inner), 0, j
 
-    def dq_t_index_map(b, h, j, i, *tables):
-        """Block ``i`` (query head ``i // num_q_blocks`` of the step's, its query block ``i % num_q_blocks``) on
-        the last key block, where it is written; block 0 before (no copy out)."""
-        return b, h, 0, jnp.where(j == num_kv_blocks - 1, i, 0)
+    def dq_t_index_map(b, h, j, *rest):
+        """Query block ``i`` of the step's head ``g`` (block ``g * num_q_blocks + i``) on the last key block, where
+        it is written; block 0 before (no copy out)."""
+        g, i, _ = steps(rest)
+        return b, h, 0, jnp.where(j == num_kv_blocks - 1, g * num_q_blocks + i, 0)
 
     k_t = jnp.swapaxes(k, 2, 3)  # [b, kv_heads, d, Tk]
     extra_vmem = _fused_vmem_bytes(inner * q_padded_len, head_dim, block_q, block_k, q.dtype)  # beyond dK/dV's
@@ -455,7 +480,7 @@ def _fused(q, k, v, do, lse_rows, d_rows, ids=None, *, causal: bool, scale: floa
     tables = _segment_tables(ids, variants, keys_outer=True, q_len=q_len, kv_len=kv_len, block_q=block_q,
                              block_k=block_k, causal=causal)
     grid = dict(
-        grid=(batch, heads // inner, num_kv_blocks, inner * num_q_blocks),
+        grid=(batch, heads // inner, num_kv_blocks, *_group_axis(inner), num_q_blocks),
         in_specs=[*in_specs, pl.BlockSpec((squeezed, squeezed, head_dim, block_k), k_t_index_map)],
         out_specs=[*out_specs, pl.BlockSpec((squeezed, squeezed, head_dim, block_q), dq_t_index_map)],
         scratch_shapes=[
@@ -471,7 +496,7 @@ def _fused(q, k, v, do, lse_rows, d_rows, ids=None, *, causal: bool, scale: floa
                    jax.ShapeDtypeStruct((batch, heads // inner, num_kv_blocks * block_k, v_head_dim), dv_dtype),
                    jax.ShapeDtypeStruct((batch, heads // inner, head_dim, inner * q_padded_len), q.dtype)],
         compiler_params=pltpu.CompilerParams(  # dQ^T sums over the key blocks: that axis turns sequential too
-            dimension_semantics=(PARALLEL, PARALLEL, ARBITRARY, ARBITRARY),
+            dimension_semantics=(PARALLEL, PARALLEL, ARBITRARY, *_group_axis(inner, ARBITRARY), ARBITRARY),
             vmem_limit_bytes=vmem_limit_bytes(sizes.generation) + extra_vmem),
         cost_estimate=_cost_estimate("fused", (batch, heads, q_len, kv_len, head_dim, causal), q.dtype, sizes,
                                      variants.window, heads_per_step=inner),
@@ -481,6 +506,12 @@ def _fused(q, k, v, do, lse_rows, d_rows, ids=None, *, causal: bool, scale: floa
     # [b, h / inner, d, inner * Tq] -> [b, h, d, Tq]: the step's heads side by side along the queries
     dq_t = dq_t.reshape(batch, heads // inner, head_dim, inner, q_padded_len).swapaxes(2, 3)
     return dk, dv, dq_t.reshape(batch, heads, head_dim, q_padded_len)
+
+
+def _group_axis(heads_inner: int, entry=None) -> tuple:
+    """The dK/dV and fused grids' axis of a group's query heads (GQA): ``(entry,)`` — its size, or its dimension
+    semantics — when ``heads_inner`` > 1, else no axis."""
+    return () if heads_inner == 1 else ((heads_inner if entry is None else entry),)
 
 
 def fused_heads_inner(group: int, head_dim: int, q_padded_len: int) -> int:
