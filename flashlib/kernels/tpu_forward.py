@@ -60,7 +60,8 @@ from flashlib.tiling import NUM_LANES, NUM_SUBLANES, pad_to_multiple
 __all__ = ["flash_attention_forward", "forward", "natural_lse"]
 
 def _forward_kernel(
-    *refs,  # (segment ids: the block tables live, fetch [b * nq * n_steps] int32 in SMEM, scalar-prefetched);
+    *refs,  # (compacted: the schedule q_block, kv_step, first, last [num_live] int32 in SMEM, scalar-prefetched);
+            # (segment ids: the block tables live, fetch [b * nq * n_steps] int32 in SMEM, scalar-prefetched);
             # q [block_q, head_dim], k [block_k_major, head_dim], v [block_k_major, v_head_dim]; (segment ids
             # q [block_q, 128], kv [8, block_k_major] int32); (sink [8, 128] f32); outputs o [block_q, v_head_dim]
             # (, lse [block_q, 128] f32); scratch m, l [block_q, 128], acc [block_q, v_head_dim]
@@ -73,8 +74,12 @@ def _forward_kernel(
     return_lse: bool,
     variants: KernelVariants,
     num_kv_steps: int,
+    compact: bool = False,
+    unguarded: str | None = None,
+    num_q_blocks: int = 0,
 ):
     refs = list(refs)
+    schedule = [refs.pop(0) for _ in range(4)] if compact else None  # geometry.live_schedule's tables
     live_ref, _ = (refs.pop(0), refs.pop(0)) if variants.uses_tables else (None, None)
     q_ref, k_ref, v_ref = refs.pop(0), refs.pop(0), refs.pop(0)
     q_seg_ref, kv_seg_ref = (refs.pop(0), refs.pop(0)) if variants.segments else (None, None)
@@ -88,12 +93,21 @@ def _forward_kernel(
     kv_step_len = k_ref.shape[0]
     num_sub_blocks = kv_step_len // block_k
     window = variants.window
-    q_block = pl.program_id(2)
-    # With a window bounded on the left the key axis walks only the steps this query block needs, from its first
-    # live step (geometry.compacts); past its last, the index map repeats the last (no copy) and nothing computes.
-    kv_step, step_is_live = geometry.visited_block(q_block, pl.program_id(3), outer_block=block_q,
-                                                   inner_block=kv_step_len, num_inner=num_kv_steps, q_len=q_len,
-                                                   kv_len=kv_len, causal=causal, window=window)
+    if compact:  # causal: grid step t is live pair t of the schedule (geometry.live_schedule), read from SMEM
+        t = pl.program_id(2)
+        q_block, kv_step, step_is_live = schedule[0][t], schedule[1][t], True
+        is_first, is_last = schedule[2][t] != 0, schedule[3][t] != 0
+        if unguarded is not None:  # estimate-only: as often as the tables say, but on program ids (see forward)
+            is_first, is_last = t < num_q_blocks, t >= pl.num_programs(2) - num_q_blocks
+    else:
+        q_block = pl.program_id(2)
+        # With a window bounded on the left the key axis walks only the steps this query block needs, from its
+        # first live step (geometry.compacts); past its last, the index map repeats the last (no copy) and nothing
+        # computes.
+        kv_step, step_is_live = geometry.visited_block(q_block, pl.program_id(3), outer_block=block_q,
+                                                       inner_block=kv_step_len, num_inner=num_kv_steps, q_len=q_len,
+                                                       kv_len=kv_len, causal=causal, window=window)
+        is_first, is_last = pl.program_id(3) == 0, pl.program_id(3) == pl.num_programs(3) - 1
     if live_ref is not None:  # and the step's keys can meet this query block's segments (SegmentBlocks)
         row = (pl.program_id(0) * pl.num_programs(2) + q_block) * num_kv_steps
         step_is_live = step_is_live & (live_ref[row + jnp.minimum(kv_step, num_kv_steps - 1)] != 0)
@@ -104,7 +118,7 @@ def _forward_kernel(
     has_blind_rows = variants.has_blind_rows(causal, q_len, kv_len)
     left, right = geometry.band(causal, window)
 
-    @pl.when(pl.program_id(3) == 0)
+    @pl.when(is_first)
     def init():
         if sink_ref is None:
             m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)  # [block_q, 128]
@@ -162,6 +176,9 @@ def _forward_kernel(
     num_chunks = block_q // block_k if split_rows else 1
     for sub_block in range(num_sub_blocks):  # unrolled: each sub-block is skipped, masked or plain on its own
         kv_block = kv_step * num_sub_blocks + sub_block  # index of the [block_k] key block in the sequence
+        if unguarded is not None:  # estimate-only: every sub-block of every live step computed, plain or masked
+            body(sub_block, kv_block, masked=unguarded == "masked")
+            continue
         if not variants.may_mask(causal, has_padding):  # no band, no padding: every step is live and plain
             body(sub_block, kv_block, masked=False)
             continue
@@ -187,7 +204,7 @@ def _forward_kernel(
             pl.when(chunk_visible & chunk_needs_mask)(functools.partial(update, True, chunk, block_k))
             pl.when(chunk_visible & ~chunk_needs_mask)(functools.partial(update, False, chunk, block_k))
 
-    @pl.when(pl.program_id(3) == pl.num_programs(3) - 1)
+    @pl.when(is_last)
     def finalize():
         l = l_ref[...]  # noqa: E741  [block_q, 128]
         l_safe = jnp.where(l == 0.0, 1.0, l)  # [block_q, 128]   a row that saw no key: acc = 0 -> out = 0
@@ -240,14 +257,24 @@ def natural_lse(result: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Arr
     return out, lse2 * LN_2
 
 @functools.partial(jax.jit, static_argnames=("causal", "scale", "sizes", "interpret", "return_lse", "out_dtype",
-                                             "variants"))
+                                             "variants", "compact", "unguarded"))
 def forward(q, k, v, segment_ids=None, sinks=None, *, causal: bool, scale: float, sizes: BlockSizes, interpret,
-            return_lse: bool, out_dtype=None, variants: KernelVariants = PLAIN):
+            return_lse: bool, out_dtype=None, variants: KernelVariants = PLAIN, compact: bool | None = None,
+            unguarded: str | None = None):
     """The forward kernel on resolved, static settings: ``out``, and with ``return_lse`` the row
     log-sum-exp of the base-2 scores, ``lse2 = lse * log2(e)`` ``[b, h, q_len]`` f32 — the residual the
     backward kernels take as it is (:func:`natural_lse` converts it for a caller). ``out_dtype`` (None: q's)
     f32 keeps the unrounded output for the backward's ``D = rowsum(dO * out)``. ``variants`` says which of
-    ``segment_ids`` (a pair of int arrays) and ``sinks`` (``[heads]``) are given, and the window and soft-cap."""
+    ``segment_ids`` (a pair of int arrays) and ``sinks`` (``[heads]``) are given, and the window and soft-cap.
+
+    ``compact``: walk only the live (query block, key step) pairs of a causal grid, from scalar-prefetched
+    tables (:func:`flashlib.geometry.live_schedule`). None (default): whenever
+    :func:`~flashlib.geometry.compacts_by_table` allows it (causal, no left window, no segment ids) and the
+    full grid has a step to drop; False: never (the full grid, skipping by program-id guards); True: always where
+    allowed, else ``ValueError``. ``unguarded`` (``"plain"`` or ``"masked"``, compacted only) is for static
+    estimates alone, whose model takes code under a guard on SMEM data as never run: every sub-block of every
+    live step computes, plain or masked, and ``init``/``finalize`` run as often as in the real kernel but on
+    program ids — the output is wrong; the cycle count brackets the real kernel's."""
     out_dtype = q.dtype if out_dtype is None else out_dtype
     batch, heads, q_len, head_dim = q.shape
     v_head_dim = v.shape[3]
@@ -262,6 +289,18 @@ def forward(q, k, v, segment_ids=None, sinks=None, *, causal: bool, scale: float
     # the key axis: the most steps any query block needs (all of them, unless a window bounds both sides)
     grid_kv_steps = geometry.live_steps(num_q_blocks, **live)
 
+    # Causal compaction: the grid walks the live (q block, key step) pairs alone, tables scalar-prefetched
+    schedule = None  # geometry.live_schedule: (q_block, kv_step, first, last), each [num_live] int32
+    if compact is not False and geometry.compacts_by_table(causal, variants.window, segments=variants.segments):
+        schedule = geometry.live_schedule(num_q_blocks, num_kv_steps, block_q=block_q, kv_step=kv_step,
+                                          q_len=q_len, kv_len=kv_len, causal=causal, window=variants.window)
+        if compact is None and schedule[0].size == num_q_blocks * num_kv_steps:  # nothing to drop
+            schedule = None
+    elif compact:
+        raise ValueError("compact=True needs a band bounded on the right only (causal) and no segment ids")
+    if unguarded not in (None, "plain", "masked") or (unguarded is not None and schedule is None):
+        raise ValueError(f"unguarded must be None, 'plain' or 'masked', and only compacted; got {unguarded!r}")
+
     prefetch = []  # segment ids: the block tables, scalar-prefetched into SMEM; every index map receives them
     if variants.segments:
         ids = segment_layouts(segment_ids, q_padded.shape[2], k_padded.shape[2])
@@ -272,23 +311,34 @@ def forward(q, k, v, segment_ids=None, sinks=None, *, causal: bool, scale: float
         blocks = segment_blocks(ids["q_columns"][:, :, 0], ids["kv_rows"][:, 0, :], outer_len=q_len, inner_len=kv_len,
                                 outer_block=block_q, inner_block=kv_step, band_visible=band)
         prefetch = [blocks.live, blocks.fetch]
+    if schedule is not None:  # 16 bytes of SMEM per live step
+        prefetch = [jnp.asarray(table) for table in schedule]
 
-    def q_index_map(b, h, i, j, *tables):
-        return b, h, i, 0
+    # An index map receives (b, h, *ids): ids is the grid position (i, j) then the tables, or compacted (t, *schedule)
+    def q_block_of(ids):
+        """The query block of grid position ``ids``: ``i``, or compacted the schedule's at live step ``t``."""
+        return ids[1][ids[0]] if schedule is not None else ids[0]
 
-    def kv_step_of(b, i, j, tables):
+    def q_index_map(b, h, *ids):
+        return b, h, q_block_of(ids), 0
+
+    def kv_step_of(b, ids):
         """The key step grid step ``j`` of query block ``i`` reads (geometry.fetched_block, then with segment
-        ids the block table's): past the last one it needs, the same index again, so no new HBM -> VMEM copy."""
+        ids the block table's): past the last one it needs, the same index again, so no new HBM -> VMEM copy.
+        Compacted, the schedule's key step at live step ``t``."""
+        if schedule is not None:
+            return ids[2][ids[0]]
+        i, j, *tables = ids
         step = geometry.fetched_block(i, j, **live)
         if tables:
             step = tables[1][(b * num_q_blocks + i) * num_kv_steps + step]
         return step
 
-    def kv_index_map(b, h, i, j, *tables):
-        return b, (h if group == 1 else lax.div(h, group)), kv_step_of(b, i, j, tables), 0  # GQA: the group's head
+    def kv_index_map(b, h, *ids):
+        return b, (h if group == 1 else lax.div(h, group)), kv_step_of(b, ids), 0  # GQA: the group's head
 
-    def row_stat_index_map(b, h, i, j, *tables):
-        return b, h, i, 0
+    def row_stat_index_map(b, h, *ids):
+        return b, h, q_block_of(ids), 0
 
     squeezed = pl.squeezed
     q_spec = pl.BlockSpec((squeezed, squeezed, block_q, head_dim), q_index_map)
@@ -296,12 +346,11 @@ def forward(q, k, v, segment_ids=None, sinks=None, *, causal: bool, scale: float
     v_spec = pl.BlockSpec((squeezed, squeezed, kv_step, v_head_dim), kv_index_map)
     in_specs, inputs = [q_spec, k_spec, v_spec], [q_padded, k_padded, v_padded]
     if variants.segments:
-        in_specs += [pl.BlockSpec((squeezed, block_q, NUM_LANES), lambda b, h, i, j, *t: (b, i, 0)),
-                     pl.BlockSpec((squeezed, NUM_SUBLANES, kv_step),
-                                  lambda b, h, i, j, *t: (b, 0, kv_step_of(b, i, j, t)))]
+        in_specs += [pl.BlockSpec((squeezed, block_q, NUM_LANES), lambda b, h, *ids: (b, q_block_of(ids), 0)),
+                     pl.BlockSpec((squeezed, NUM_SUBLANES, kv_step), lambda b, h, *ids: (b, 0, kv_step_of(b, ids)))]
         inputs += [ids["q_columns"], ids["kv_rows"]]
     if variants.sinks:
-        in_specs.append(pl.BlockSpec((squeezed, NUM_SUBLANES, NUM_LANES), lambda b, h, i, j, *t: (h, 0, 0)))
+        in_specs.append(pl.BlockSpec((squeezed, NUM_SUBLANES, NUM_LANES), lambda b, h, *ids: (h, 0, 0)))
         inputs.append(sinks_tiles(sinks))
     out_shape = [jax.ShapeDtypeStruct((*q_padded.shape[:3], v_head_dim), out_dtype)]
     out_specs = [pl.BlockSpec((squeezed, squeezed, block_q, v_head_dim), q_index_map)]
@@ -313,10 +362,11 @@ def forward(q, k, v, segment_ids=None, sinks=None, *, causal: bool, scale: float
     kernel = functools.partial(
         _forward_kernel, causal=causal, scale=scale, block_k=block_k, q_len=q_len, kv_len=kv_len,
         has_padding=k_padded.shape[2] != kv_len, return_lse=return_lse, variants=variants,
-        num_kv_steps=num_kv_steps,
+        num_kv_steps=num_kv_steps, compact=schedule is not None, unguarded=unguarded, num_q_blocks=num_q_blocks,
     )
     grid = dict(
-        grid=(batch, heads, num_q_blocks, grid_kv_steps),
+        # compacted: (b, h, num_live), the live pairs in the schedule's order; else (b, h, nq, key steps)
+        grid=(batch, heads, schedule[0].size) if schedule is not None else (batch, heads, num_q_blocks, grid_kv_steps),
         in_specs=in_specs,
         out_specs=out_specs,
         scratch_shapes=[
@@ -329,7 +379,9 @@ def forward(q, k, v, segment_ids=None, sinks=None, *, causal: bool, scale: float
         kernel,
         **with_tables(grid, len(prefetch)),
         out_shape=out_shape,
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=(
+            ("parallel", "parallel", "arbitrary") if schedule is not None else
+            ("parallel", "parallel", "parallel", "arbitrary"))),
         cost_estimate=pl.CostEstimate(  # the causal mask's count (cost.py); a window's skipped blocks are not counted
             flops=cost.attention_flops(*dims, block_sizes=sizes),
             transcendentals=cost.attention_transcendentals(*dims, block_sizes=sizes, with_lse=return_lse),
