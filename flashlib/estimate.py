@@ -404,14 +404,14 @@ def bundle_stats(fn: Callable[..., Any] | str, *args: Any, topology: str = "v5e:
 
 def flashlib_forward(q, k, v, *, causal: bool, block_q: int, block_k: int, generation: str | None = None,
                      block_k_major: int | None = None, window: tuple[int | None, int | None] | None = None,
-                     compact: bool | None = False, unguarded: str | None = None):
+                     compact: bool | None = False, estimate_as: str | None = None):
     """flashlib's Pallas forward kernel, compiled (not interpreted), with the given blocks (and window).
 
     ``compact`` (:func:`flashlib.kernels.tpu_forward.forward`): False (default) the full causal grid, skipping by
     program-id guards, which a static estimate sees; True the compacted causal grid, whose work sits under
-    guards on scalar-prefetched data that the estimate counts as never run (``unguarded`` ``"plain"`` or
-    ``"masked"``: the estimate-only variants that run it all, to bracket it); None what ``flashlib.attention``
-    picks."""
+    guards on scalar-prefetched data that the estimate counts as never run (``estimate_as``: the estimate-only
+    variants that show it to the model, :func:`flashlib.kernels.tpu_forward.forward`); None what
+    ``flashlib.attention`` picks."""
     sizes = BlockSizes(block_q=block_q, block_k=block_k, generation=generation, block_k_major=block_k_major)
     if compact is None:
         return flashlib.attention(q, k, v, causal=causal, impl="pallas", interpret=False, block_sizes=sizes,
@@ -423,7 +423,7 @@ def flashlib_forward(q, k, v, *, causal: bool, block_q: int, block_k: int, gener
     variants = KernelVariants.of(window=None if window is None else check_window(window))
     return tpu_forward.forward(q, k, v, causal=bool(causal), scale=call.scale, sizes=call.sizes,
                                interpret=call.interpret, return_lse=False, variants=variants, compact=compact,
-                               unguarded=unguarded)
+                               estimate_as=estimate_as)
 
 
 def flashlib_segments_forward(q, k, v, q_segments, kv_segments, *, causal: bool, block_q: int, block_k: int,

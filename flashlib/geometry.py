@@ -46,6 +46,7 @@ __all__ = [
     "live_range",
     "live_schedule",
     "live_steps",
+    "scheduled_pair",
     "splits_rows",
     "visited_block",
     "visited_blocks",
@@ -197,6 +198,25 @@ def live_schedule(num_q_blocks: int, num_kv_steps: int, *, block_q: int, kv_step
     first = np.concatenate([[True], new_block])  # [num_live]
     last = np.concatenate([new_block, [True]])  # [num_live]
     return tuple(x.astype(np.int32) for x in (q_block, kv_steps, first, last))
+
+
+def scheduled_pair(t, starts: tuple[int, ...], num_live: int):
+    """``(q_block, kv_step, first, last)`` at live step ``t`` of a causal :func:`live_schedule` whose query blocks
+    start at live steps ``starts`` (its ``first`` entries' indices), computed from ``t`` by comparisons with those
+    constants rather than read from the tables: a causal query block's live steps are key steps ``0..last``.
+    On ints and traced program ids alike (``len(starts)`` scalar compares and selects per call)."""
+    q_block, start, end = 0 * t, 0 * t, 0 * t + num_live  # end: the next query block's first live step
+    for s in starts[1:]:
+        q_block = q_block + (t >= s)
+        start = _select(t >= s, s, start)
+    for s in reversed(starts[1:]):
+        end = _select(t < s, s, end)
+    return q_block, t - start, t == start, t == end - 1
+
+
+def _select(condition, a, b):
+    return np.where(condition, a, b) if isinstance(condition, (bool, np.bool_, np.ndarray)) else jnp.where(
+        condition, a, b)
 
 
 def visited_block(outer, step, *, outer_block: int, inner_block: int, num_inner: int, q_len: int, kv_len: int,

@@ -16,11 +16,19 @@ The running softmax state lives in f32 VMEM scratch that persists across the inn
 then already has the layout of a score tile's row, and broadcasting it against ``[block_q, block_k]`` is a
 cheap copy of whole vregs, never a cross-lane shuffle.
 
-Causal attention skips the blocks above the diagonal twice over: ``body`` does not run (a ``pl.when`` on
-the program ids, per sub-block) and the k/v index maps clamp to the last needed step, so the pipeline issues
-no copy; the skipped grid steps themselves remain. Only sub-blocks that straddle the diagonal or hold padded
-keys build an element mask, and when ``block_q > block_k`` a masked sub-block is split into row chunks of
-``block_k`` rows, each again skipped, masked or plain (:mod:`flashlib.geometry` decides all of it).
+Causal attention does not even visit the key steps above the diagonal: the grid is compacted to ``(batch,
+heads, num_live)``, whose last ("arbitrary") axis walks only the live (query block, key step) pairs, query
+block major and key steps ascending (:func:`flashlib.geometry.live_schedule`). Four int32 tables — query block,
+key step, first, last, per live step — arrive by scalar prefetch (SMEM): the index maps of q/out/lse read the
+query block, those of k/v the key step, ``init`` runs at a query block's first live step and ``finalize`` at its
+last, so each output block stays resident across its consecutive steps. The rule (``forward(compact=None)``):
+compact whenever the band is bounded on the right only (causal, no left window, no segment ids:
+:func:`flashlib.geometry.compacts_by_table`) and the full grid has a step to drop; ``compact=False`` keeps the
+full ``(batch, heads, num_q_blocks, num_kv_steps)`` grid, where a step above the diagonal costs a grid step but
+neither compute (a ``pl.when`` on the program ids) nor a copy (the k/v index maps clamp to the last needed step).
+Either way only sub-blocks that straddle the diagonal or hold padded keys build an element mask, and when
+``block_q > block_k`` a masked sub-block is split into row chunks of ``block_k`` rows, each again skipped, masked
+or plain (:mod:`flashlib.geometry` decides all of it, from the table's query block and key step when compacted).
 
 The variants (:mod:`flashlib.kernels.variants`): a sliding window is a band like the causal one, with the same
 three kinds of block; bounded on the left, the key axis of the grid walks only the steps a query block's
@@ -75,8 +83,8 @@ def _forward_kernel(
     variants: KernelVariants,
     num_kv_steps: int,
     compact: bool = False,
-    unguarded: str | None = None,
-    num_q_blocks: int = 0,
+    estimate_as: str | None = None,
+    starts: tuple[int, ...] = (),
 ):
     refs = list(refs)
     schedule = [refs.pop(0) for _ in range(4)] if compact else None  # geometry.live_schedule's tables
@@ -97,8 +105,10 @@ def _forward_kernel(
         t = pl.program_id(2)
         q_block, kv_step, step_is_live = schedule[0][t], schedule[1][t], True
         is_first, is_last = schedule[2][t] != 0, schedule[3][t] != 0
-        if unguarded is not None:  # estimate-only: as often as the tables say, but on program ids (see forward)
-            is_first, is_last = t < num_q_blocks, t >= pl.num_programs(2) - num_q_blocks
+        if estimate_as == "program_ids":  # estimate-only (see forward): the same pair, from t and constants
+            q_block, kv_step, is_first, is_last = geometry.scheduled_pair(t, starts, pl.num_programs(2))
+        elif estimate_as is not None:  # estimate-only: as often as the tables say, but on program ids
+            is_first, is_last = t < len(starts), t >= pl.num_programs(2) - len(starts)
     else:
         q_block = pl.program_id(2)
         # With a window bounded on the left the key axis walks only the steps this query block needs, from its
@@ -176,8 +186,8 @@ def _forward_kernel(
     num_chunks = block_q // block_k if split_rows else 1
     for sub_block in range(num_sub_blocks):  # unrolled: each sub-block is skipped, masked or plain on its own
         kv_block = kv_step * num_sub_blocks + sub_block  # index of the [block_k] key block in the sequence
-        if unguarded is not None:  # estimate-only: every sub-block of every live step computed, plain or masked
-            body(sub_block, kv_block, masked=unguarded == "masked")
+        if estimate_as in ("plain", "masked"):  # estimate-only: every sub-block of every live step, unguarded
+            body(sub_block, kv_block, masked=estimate_as == "masked")
             continue
         if not variants.may_mask(causal, has_padding):  # no band, no padding: every step is live and plain
             body(sub_block, kv_block, masked=False)
@@ -257,10 +267,10 @@ def natural_lse(result: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Arr
     return out, lse2 * LN_2
 
 @functools.partial(jax.jit, static_argnames=("causal", "scale", "sizes", "interpret", "return_lse", "out_dtype",
-                                             "variants", "compact", "unguarded"))
+                                             "variants", "compact", "estimate_as"))
 def forward(q, k, v, segment_ids=None, sinks=None, *, causal: bool, scale: float, sizes: BlockSizes, interpret,
             return_lse: bool, out_dtype=None, variants: KernelVariants = PLAIN, compact: bool | None = None,
-            unguarded: str | None = None):
+            estimate_as: str | None = None):
     """The forward kernel on resolved, static settings: ``out``, and with ``return_lse`` the row
     log-sum-exp of the base-2 scores, ``lse2 = lse * log2(e)`` ``[b, h, q_len]`` f32 — the residual the
     backward kernels take as it is (:func:`natural_lse` converts it for a caller). ``out_dtype`` (None: q's)
@@ -271,10 +281,12 @@ def forward(q, k, v, segment_ids=None, sinks=None, *, causal: bool, scale: float
     tables (:func:`flashlib.geometry.live_schedule`). None (default): whenever
     :func:`~flashlib.geometry.compacts_by_table` allows it (causal, no left window, no segment ids) and the
     full grid has a step to drop; False: never (the full grid, skipping by program-id guards); True: always where
-    allowed, else ``ValueError``. ``unguarded`` (``"plain"`` or ``"masked"``, compacted only) is for static
-    estimates alone, whose model takes code under a guard on SMEM data as never run: every sub-block of every
-    live step computes, plain or masked, and ``init``/``finalize`` run as often as in the real kernel but on
-    program ids — the output is wrong; the cycle count brackets the real kernel's."""
+    allowed, else ``ValueError``. ``estimate_as`` (compacted only) is for static estimates alone, whose model
+    takes code under a guard on SMEM data as never run: ``"program_ids"`` computes each step's pair from its
+    program id and the schedule's constants (:func:`~flashlib.geometry.scheduled_pair`; same results, guards
+    and index maps the model evaluates, plus a few scalar compares per step); ``"plain"`` / ``"masked"`` compute
+    every sub-block of every live step without guards, and ``init``/``finalize`` as often as the real kernel
+    but on program ids (wrong outputs; cycle counts that bracket the real kernel's)."""
     out_dtype = q.dtype if out_dtype is None else out_dtype
     batch, heads, q_len, head_dim = q.shape
     v_head_dim = v.shape[3]
@@ -298,8 +310,10 @@ def forward(q, k, v, segment_ids=None, sinks=None, *, causal: bool, scale: float
             schedule = None
     elif compact:
         raise ValueError("compact=True needs a band bounded on the right only (causal) and no segment ids")
-    if unguarded not in (None, "plain", "masked") or (unguarded is not None and schedule is None):
-        raise ValueError(f"unguarded must be None, 'plain' or 'masked', and only compacted; got {unguarded!r}")
+    if estimate_as not in (None, "plain", "masked", "program_ids") or (estimate_as and schedule is None):
+        raise ValueError(f"estimate_as must be None, 'program_ids', 'plain' or 'masked', and only compacted; got "
+                         f"{estimate_as!r}")
+    starts = () if schedule is None else tuple(np.flatnonzero(schedule[2]).tolist())  # each q block's first step
 
     prefetch = []  # segment ids: the block tables, scalar-prefetched into SMEM; every index map receives them
     if variants.segments:
@@ -317,6 +331,8 @@ def forward(q, k, v, segment_ids=None, sinks=None, *, causal: bool, scale: float
     # An index map receives (b, h, *ids): ids is the grid position (i, j) then the tables, or compacted (t, *schedule)
     def q_block_of(ids):
         """The query block of grid position ``ids``: ``i``, or compacted the schedule's at live step ``t``."""
+        if estimate_as == "program_ids":
+            return geometry.scheduled_pair(ids[0], starts, schedule[0].size)[0]
         return ids[1][ids[0]] if schedule is not None else ids[0]
 
     def q_index_map(b, h, *ids):
@@ -326,6 +342,8 @@ def forward(q, k, v, segment_ids=None, sinks=None, *, causal: bool, scale: float
         """The key step grid step ``j`` of query block ``i`` reads (geometry.fetched_block, then with segment
         ids the block table's): past the last one it needs, the same index again, so no new HBM -> VMEM copy.
         Compacted, the schedule's key step at live step ``t``."""
+        if estimate_as == "program_ids":
+            return geometry.scheduled_pair(ids[0], starts, schedule[0].size)[1]
         if schedule is not None:
             return ids[2][ids[0]]
         i, j, *tables = ids
@@ -362,7 +380,7 @@ def forward(q, k, v, segment_ids=None, sinks=None, *, causal: bool, scale: float
     kernel = functools.partial(
         _forward_kernel, causal=causal, scale=scale, block_k=block_k, q_len=q_len, kv_len=kv_len,
         has_padding=k_padded.shape[2] != kv_len, return_lse=return_lse, variants=variants,
-        num_kv_steps=num_kv_steps, compact=schedule is not None, unguarded=unguarded, num_q_blocks=num_q_blocks,
+        num_kv_steps=num_kv_steps, compact=schedule is not None, estimate_as=estimate_as, starts=starts,
     )
     grid = dict(
         # compacted: (b, h, num_live), the live pairs in the schedule's order; else (b, h, nq, key steps)
