@@ -409,9 +409,13 @@ def flashlib_forward(q, k, v, *, causal: bool, block_q: int, block_k: int, gener
 
     ``compact`` (:func:`flashlib.kernels.tpu_forward.forward`): False (default) the full causal grid, skipping by
     program-id guards, which a static estimate sees; True the compacted causal grid, whose work sits under
-    guards on scalar-prefetched data that the estimate counts as never run (``estimate_as``: the estimate-only
-    variants that show it to the model, :func:`flashlib.kernels.tpu_forward.forward`); None what
-    ``flashlib.attention`` picks."""
+    guards on scalar-prefetched data that the estimate counts as never run; None what ``flashlib.attention``
+    picks. ``estimate_as`` (compacted only) shows that work to the model: ``"program_ids"`` computes each step's
+    pair from its program id and the schedule's constants (:func:`flashlib.geometry.scheduled_pair`: the same
+    results, guards and index maps the model evaluates, plus ``num_q_blocks`` scalar compares per step where the
+    real kernel loads four SMEM words); ``"plain"`` / ``"masked"`` compute every sub-block of every live step
+    without guards, with ``init``/``finalize`` as often as the real kernel but on program ids (wrong outputs;
+    cycle counts to bracket the real kernel's)."""
     sizes = BlockSizes(block_q=block_q, block_k=block_k, generation=generation, block_k_major=block_k_major)
     if compact is None:
         return flashlib.attention(q, k, v, causal=causal, impl="pallas", interpret=False, block_sizes=sizes,

@@ -34,6 +34,7 @@ __all__ = [
     "block_needs_mask",
     "causal_visible",
     "compacts",
+    "compacted_schedule",
     "compacts_by_table",
     "fetched_block",
     "first_key_seen",
@@ -198,6 +199,24 @@ def live_schedule(num_q_blocks: int, num_kv_steps: int, *, block_q: int, kv_step
     first = np.concatenate([[True], new_block])  # [num_live]
     last = np.concatenate([new_block, [True]])  # [num_live]
     return tuple(x.astype(np.int32) for x in (q_block, kv_steps, first, last))
+
+
+def compacted_schedule(compact: bool | None, num_q_blocks: int, num_kv_steps: int, *, block_q: int, kv_step: int,
+                       q_len: int, kv_len: int, causal: bool, window=None, segments: bool = False):
+    """The forward's decision: :func:`live_schedule` where its grid compacts, else None. ``compact`` None (the
+    default): where :func:`compacts_by_table` allows it and the schedule drops a step of the full grid; False:
+    never (the full grid, skipping by program-id guards); True: wherever allowed, else ``ValueError``."""
+    if not compacts_by_table(causal, window, segments=segments):
+        if compact:
+            raise ValueError("compact=True needs a band bounded on the right only (causal) and no segment ids")
+        return None
+    if compact is False:
+        return None
+    schedule = live_schedule(num_q_blocks, num_kv_steps, block_q=block_q, kv_step=kv_step, q_len=q_len,
+                             kv_len=kv_len, causal=causal, window=window)
+    if compact is None and schedule[0].size == num_q_blocks * num_kv_steps:  # nothing to drop
+        return None
+    return schedule
 
 
 def scheduled_pair(t, starts: tuple[int, ...], num_live: int):

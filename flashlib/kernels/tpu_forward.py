@@ -16,19 +16,16 @@ The running softmax state lives in f32 VMEM scratch that persists across the inn
 then already has the layout of a score tile's row, and broadcasting it against ``[block_q, block_k]`` is a
 cheap copy of whole vregs, never a cross-lane shuffle.
 
-Causal attention does not even visit the key steps above the diagonal: the grid is compacted to ``(batch,
-heads, num_live)``, whose last ("arbitrary") axis walks only the live (query block, key step) pairs, query
-block major and key steps ascending (:func:`flashlib.geometry.live_schedule`). Four int32 tables — query block,
-key step, first, last, per live step — arrive by scalar prefetch (SMEM): the index maps of q/out/lse read the
-query block, those of k/v the key step, ``init`` runs at a query block's first live step and ``finalize`` at its
-last, so each output block stays resident across its consecutive steps. The rule (``forward(compact=None)``):
-compact whenever the band is bounded on the right only (causal, no left window, no segment ids:
-:func:`flashlib.geometry.compacts_by_table`) and the full grid has a step to drop; ``compact=False`` keeps the
-full ``(batch, heads, num_q_blocks, num_kv_steps)`` grid, where a step above the diagonal costs a grid step but
-neither compute (a ``pl.when`` on the program ids) nor a copy (the k/v index maps clamp to the last needed step).
-Either way only sub-blocks that straddle the diagonal or hold padded keys build an element mask, and when
-``block_q > block_k`` a masked sub-block is split into row chunks of ``block_k`` rows, each again skipped, masked
-or plain (:mod:`flashlib.geometry` decides all of it, from the table's query block and key step when compacted).
+Causal attention does not visit the key steps above the diagonal: its grid is compacted to ``(batch, heads,
+num_live)``, the last ("arbitrary") axis walking only the live (query block, key step) pairs, query block major
+(:func:`flashlib.geometry.live_schedule`). Four int32 tables, per live step, arrive by scalar prefetch (SMEM): the
+query block (q/out/lse index maps), key step (k/v index maps), first (``init``) and last (``finalize``), so each
+output block stays resident across its consecutive steps. ``forward(compact=False)`` (and a call where nothing
+would be dropped, :func:`flashlib.geometry.compacted_schedule`) keeps the full grid, where a step above the
+diagonal costs a grid step but neither compute (a ``pl.when`` on the program ids) nor a copy (clamped k/v index
+maps). Only sub-blocks that straddle the diagonal or hold padded keys build an element mask, and when ``block_q >
+block_k`` a masked sub-block is split into row chunks of ``block_k`` rows, each again skipped, masked or plain
+(:mod:`flashlib.geometry` decides all of it, from the tables' query block and key step when compacted).
 
 The variants (:mod:`flashlib.kernels.variants`): a sliding window is a band like the causal one, with the same
 three kinds of block; bounded on the left, the key axis of the grid walks only the steps a query block's
@@ -278,15 +275,8 @@ def forward(q, k, v, segment_ids=None, sinks=None, *, causal: bool, scale: float
     ``segment_ids`` (a pair of int arrays) and ``sinks`` (``[heads]``) are given, and the window and soft-cap.
 
     ``compact``: walk only the live (query block, key step) pairs of a causal grid, from scalar-prefetched
-    tables (:func:`flashlib.geometry.live_schedule`). None (default): whenever
-    :func:`~flashlib.geometry.compacts_by_table` allows it (causal, no left window, no segment ids) and the
-    full grid has a step to drop; False: never (the full grid, skipping by program-id guards); True: always where
-    allowed, else ``ValueError``. ``estimate_as`` (compacted only) is for static estimates alone, whose model
-    takes code under a guard on SMEM data as never run: ``"program_ids"`` computes each step's pair from its
-    program id and the schedule's constants (:func:`~flashlib.geometry.scheduled_pair`; same results, guards
-    and index maps the model evaluates, plus a few scalar compares per step); ``"plain"`` / ``"masked"`` compute
-    every sub-block of every live step without guards, and ``init``/``finalize`` as often as the real kernel
-    but on program ids (wrong outputs; cycle counts that bracket the real kernel's)."""
+    tables (None: where that drops a step; :func:`flashlib.geometry.compacted_schedule`). ``estimate_as``:
+    estimate-only variants of the compacted kernel (:func:`flashlib.estimate.flashlib_forward` says which)."""
     out_dtype = q.dtype if out_dtype is None else out_dtype
     batch, heads, q_len, head_dim = q.shape
     v_head_dim = v.shape[3]
@@ -301,15 +291,11 @@ def forward(q, k, v, segment_ids=None, sinks=None, *, causal: bool, scale: float
     # the key axis: the most steps any query block needs (all of them, unless a window bounds both sides)
     grid_kv_steps = geometry.live_steps(num_q_blocks, **live)
 
-    # Causal compaction: the grid walks the live (q block, key step) pairs alone, tables scalar-prefetched
-    schedule = None  # geometry.live_schedule: (q_block, kv_step, first, last), each [num_live] int32
-    if compact is not False and geometry.compacts_by_table(causal, variants.window, segments=variants.segments):
-        schedule = geometry.live_schedule(num_q_blocks, num_kv_steps, block_q=block_q, kv_step=kv_step,
-                                          q_len=q_len, kv_len=kv_len, causal=causal, window=variants.window)
-        if compact is None and schedule[0].size == num_q_blocks * num_kv_steps:  # nothing to drop
-            schedule = None
-    elif compact:
-        raise ValueError("compact=True needs a band bounded on the right only (causal) and no segment ids")
+    # Causal compaction: the grid walks the live (q block, key step) pairs alone, tables scalar-prefetched;
+    # None or geometry.live_schedule's (q_block, kv_step, first, last), each [num_live] int32
+    schedule = geometry.compacted_schedule(compact, num_q_blocks, num_kv_steps, block_q=block_q, kv_step=kv_step,
+                                           q_len=q_len, kv_len=kv_len, causal=causal, window=variants.window,
+                                           segments=variants.segments)
     if estimate_as not in (None, "plain", "masked", "program_ids") or (estimate_as and schedule is None):
         raise ValueError(f"estimate_as must be None, 'program_ids', 'plain' or 'masked', and only compacted; got "
                          f"{estimate_as!r}")
