@@ -16,7 +16,8 @@ Modules, one concept each, in layers (a module imports only from its layer or be
 * algorithms — ``reference`` (naive, float64 oracle), ``blockwise`` (+ ``blockwise_backward``), ``xla``,
   ``checks``, ``cost``, ``decode``;
 * the Pallas backend — ``kernels`` (``tuned_table``, ``block_sizes``, ``options``, ``candidates``, ``scores``,
-  ``tpu_forward``, ``backward_kernels``, ``tpu_backward``, ``attention``, ``tpu_decode``, ``decoding``);
+  ``forward_kernel``, ``tpu_forward``, ``backward_kernels``, ``tpu_backward``, ``attention``, ``tpu_decode``,
+  ``decoding``);
 * beyond one chip — ``sharded`` (batch/head sharding of any impl with ``shard_map``), ``ring_plan`` (the
   ring's layout, schedule and cost), ``ring_workers`` and ``ring`` (ring attention over a sequence axis:
   ``ppermute``, the merge identity, zig-zag load balance), ``slice_compile`` (in the ground layer: compile for

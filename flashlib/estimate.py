@@ -403,19 +403,35 @@ def bundle_stats(fn: Callable[..., Any] | str, *args: Any, topology: str = "v5e:
 
 
 def flashlib_forward(q, k, v, *, causal: bool, block_q: int, block_k: int, generation: str | None = None,
-                     block_k_major: int | None = None, window: tuple[int | None, int | None] | None = None):
+                     block_k_major: int | None = None, window: tuple[int | None, int | None] | None = None,
+                     compact: bool | None = False, estimate_as: str | None = None):
     """flashlib's Pallas forward kernel, compiled (not interpreted), with the given blocks (and window).
 
-    With GQA the query heads a step packs travel as separate 2-D operands (``separate_heads``: the static
-    profiler reads no kernel whose blocks have three dimensions); the stack of their outputs afterwards is
-    its own op in the estimate (:attr:`CycleEstimate.kernels`), which the kernel as shipped does not run."""
+    ``compact`` (:func:`flashlib.kernels.tpu_forward.forward`): False (default) the full causal grid, skipping by
+    program-id guards, which a static estimate sees; True the compacted causal grid, whose work sits under
+    guards on scalar-prefetched data that the estimate counts as never run; None what ``flashlib.attention``
+    picks. ``estimate_as`` (compacted only) shows that work to the model: ``"program_ids"`` computes each step's
+    pair from its program id and the schedule's constants (:func:`flashlib.geometry.scheduled_pair`: the same
+    results, guards and index maps the model evaluates, plus ``num_q_blocks`` scalar compares per step where the
+    real kernel loads four SMEM words); ``"plain"`` / ``"masked"`` compute every sub-block of every live step
+    without guards, with ``init``/``finalize`` as often as the real kernel but on program ids (wrong outputs;
+    cycle counts to bracket the real kernel's).
+
+    With GQA the query heads a step computes travel as separate 2-D operands (``separate_heads``: the static
+    profiler reads no kernel whose blocks have three dimensions); the stack of their outputs afterwards is its
+    own op in the estimate (:attr:`CycleEstimate.kernels`), which the kernel as shipped does not run."""
     sizes = BlockSizes(block_q=block_q, block_k=block_k, generation=generation, block_k_major=block_k_major)
-    if k.shape[1] == q.shape[1]:
+    if compact is None:
         return flashlib.attention(q, k, v, causal=causal, impl="pallas", interpret=False, block_sizes=sizes,
                                   window=window)
-    sizes = sizes.fit(q.shape[2], k.shape[2], q.dtype)
-    return tpu_forward.forward(q, k, v, causal=causal, scale=q.shape[-1] ** -0.5, sizes=sizes, interpret=False,
-                               return_lse=False, variants=KernelVariants(window=window), separate_heads=True)
+    from flashlib.kernels.options import resolve_call
+    from flashlib.masks import check_window
+
+    call = resolve_call(q, k, v, causal=causal, scale=None, block_sizes=sizes, interpret=False)
+    variants = KernelVariants.of(window=None if window is None else check_window(window))
+    return tpu_forward.forward(q, k, v, causal=bool(causal), scale=call.scale, sizes=call.sizes,
+                               interpret=call.interpret, return_lse=False, variants=variants, compact=compact,
+                               estimate_as=estimate_as, separate_heads=True)
 
 
 def flashlib_segments_forward(q, k, v, q_segments, kv_segments, *, causal: bool, block_q: int, block_k: int,

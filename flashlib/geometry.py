@@ -11,8 +11,9 @@ within ``left`` keys before and ``right`` keys after that diagonal key. Causal a
   :func:`first_query_seeing`, :func:`last_query_seeing`, :func:`live_range`: what a kernel's ``pl.when``
   guards and index maps decide per grid step;
 * grids — :func:`first_query_blocks`, :func:`last_kv_blocks`, :func:`visited_blocks`, :func:`forward_tiles`,
-  :func:`live_steps` (and :func:`live_range` on an array of outer blocks): the same decisions for a whole grid at
-  once, which :mod:`flashlib.cost` counts (windows included) and the kernels size their grids by.
+  :func:`live_steps` (and :func:`live_range` on an array of outer blocks), :func:`live_schedule`: the same
+  decisions for a whole grid at once, which :mod:`flashlib.cost` counts (windows included) and the kernels size
+  (or, causal, tabulate) their grids by.
 
 Everything is plain arithmetic, so one function runs on Python ints, NumPy arrays and the traced program
 ids inside a kernel: the kernel and its cost estimate cannot disagree about a block. Like JAX's splash
@@ -34,6 +35,8 @@ __all__ = [
     "block_needs_mask",
     "causal_visible",
     "compacts",
+    "compacted_schedule",
+    "compacts_by_table",
     "fetched_block",
     "first_key_seen",
     "first_query_blocks",
@@ -43,7 +46,9 @@ __all__ = [
     "last_kv_blocks",
     "last_query_seeing",
     "live_range",
+    "live_schedule",
     "live_steps",
+    "scheduled_pair",
     "splits_rows",
     "visited_block",
     "visited_blocks",
@@ -163,6 +168,75 @@ def compacts(causal: bool, window=None) -> bool:
     for a band bounded on the left (a window), where the live range stays the same length as the sequences
     grow. Otherwise the inner axis is every block, and the band's guard skips what lies outside it."""
     return band(causal, window)[0] is not None
+
+
+def compacts_by_table(causal: bool, window=None, *, segments: bool = False) -> bool:
+    """Whether the forward kernel may walk a table of its live (query block, key step) pairs
+    (:func:`live_schedule`, scalar-prefetched) instead of the full ``num_q_blocks x num_kv_steps`` grid: a band
+    bounded on the right only (causal), where the pairs above the diagonal are about half of the grid and
+    :func:`compacts` does not apply. Not with segment ids, whose own block tables are indexed by the full
+    grid (those calls keep the full grid and its guards)."""
+    left, right = band(causal, window)
+    return left is None and right is not None and not segments
+
+
+def live_schedule(num_q_blocks: int, num_kv_steps: int, *, block_q: int, kv_step: int, q_len: int, kv_len: int,
+                  causal: bool, window=None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``(q_block, kv_step, first, last)``, each ``[num_live]`` int32: the (query block, key step) pairs a
+    compacted forward grid walks (:func:`compacts_by_table`), query block major and key steps ascending, so a
+    query block's steps are consecutive and its output block stays resident until its last one. ``first`` and
+    ``last`` are 1 at a query block's first and last live step (``init`` and ``finalize`` run there).
+
+    The pairs are those :func:`block_is_visible` keeps at the grain of whole key steps; a query block that
+    sees no key at all (every row before key 0: ``q_len > kv_len``) keeps one step, key step 0, whose
+    sub-blocks its guard skips, so that ``init`` and ``finalize`` still write its zeros."""
+    q_blocks, steps = np.arange(num_q_blocks)[:, None], np.arange(num_kv_steps)[None, :]  # [nq, 1], [1, nk]
+    visible = np.array(np.broadcast_to(block_is_visible(
+        q_blocks, steps, block_q=block_q, block_k=kv_step, q_len=q_len, kv_len=kv_len, causal=causal,
+        window=window), (num_q_blocks, num_kv_steps)))  # [nq, nk]
+    visible[~visible.any(axis=1), 0] = True  # a blind query block: one step, skipped by its guard
+    q_block, kv_steps = np.nonzero(visible)  # [num_live] each, row-major: query block major
+    new_block = q_block[1:] != q_block[:-1]  # [num_live - 1]
+    first = np.concatenate([[True], new_block])  # [num_live]
+    last = np.concatenate([new_block, [True]])  # [num_live]
+    return tuple(x.astype(np.int32) for x in (q_block, kv_steps, first, last))
+
+
+def compacted_schedule(compact: bool | None, num_q_blocks: int, num_kv_steps: int, *, block_q: int, kv_step: int,
+                       q_len: int, kv_len: int, causal: bool, window=None, segments: bool = False):
+    """The forward's decision: :func:`live_schedule` where its grid compacts, else None. ``compact`` None (the
+    default): where :func:`compacts_by_table` allows it and the schedule drops a step of the full grid; False:
+    never (the full grid, skipping by program-id guards); True: wherever allowed, else ``ValueError``."""
+    if not compacts_by_table(causal, window, segments=segments):
+        if compact:
+            raise ValueError("compact=True needs a band bounded on the right only (causal) and no segment ids")
+        return None
+    if compact is False:
+        return None
+    schedule = live_schedule(num_q_blocks, num_kv_steps, block_q=block_q, kv_step=kv_step, q_len=q_len,
+                             kv_len=kv_len, causal=causal, window=window)
+    if compact is None and schedule[0].size == num_q_blocks * num_kv_steps:  # nothing to drop
+        return None
+    return schedule
+
+
+def scheduled_pair(t, starts: tuple[int, ...], num_live: int):
+    """``(q_block, kv_step, first, last)`` at live step ``t`` of a causal :func:`live_schedule` whose query blocks
+    start at live steps ``starts`` (its ``first`` entries' indices), computed from ``t`` by comparisons with those
+    constants rather than read from the tables: a causal query block's live steps are key steps ``0..last``.
+    On ints and traced program ids alike (``len(starts)`` scalar compares and selects per call)."""
+    q_block, start, end = 0 * t, 0 * t, 0 * t + num_live  # end: the next query block's first live step
+    for s in starts[1:]:
+        q_block = q_block + (t >= s)
+        start = _select(t >= s, s, start)
+    for s in reversed(starts[1:]):
+        end = _select(t < s, s, end)
+    return q_block, t - start, t == start, t == end - 1
+
+
+def _select(condition, a, b):
+    return np.where(condition, a, b) if isinstance(condition, (bool, np.bool_, np.ndarray)) else jnp.where(
+        condition, a, b)
 
 
 def visited_block(outer, step, *, outer_block: int, inner_block: int, num_inner: int, q_len: int, kv_len: int,

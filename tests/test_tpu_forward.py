@@ -294,7 +294,9 @@ def test_cost_estimate_reaches_the_compiler(causal, major):
     assert check.ok, check.compiler_message
     dims = (batch, heads, n, n, head_dim, causal)
     assert check.flops == cost.attention_flops(*dims, block_sizes=sizes)
-    assert check.bytes_accessed == cost.attention_bytes(*dims, BF16, block_sizes=sizes)
+    # causal compacts (flashlib.geometry.live_schedule): XLA may add a copy of a constant schedule table (<= KiBs)
+    slack = 16 * 1024 if causal and major is None else 0
+    assert 0 <= check.bytes_accessed - cost.attention_bytes(*dims, BF16, block_sizes=sizes) <= slack
     if causal:  # 4 x 2 blocks, 6 visited: 5/8 of the dense work (the ideal causal count is ~1/2)
         assert check.flops == cost.attention_flops(batch, heads, n, n, head_dim, False) * 6 // 8
 

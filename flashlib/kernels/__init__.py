@@ -6,7 +6,8 @@
 * ``options``: the backend's options, checked and resolved once per call;
 * ``candidates``: its search space, the configurations a tuner should try (the tuner asks, never decides);
 * ``scores``: what every kernel makes its scores and row statistics with;
-* ``tpu_forward``: the forward kernel; ``backward_kernels``: the dK/dV, fused dK/dV/dQ and dQ kernels;
+* ``forward_kernel``: the forward kernel's body; ``tpu_forward``: the forward pass around it (grid, BlockSpecs,
+  tables, GQA's heads per step); ``backward_kernels``: the dK/dV, fused dK/dV/dQ and dQ kernels;
   ``tpu_backward``: the backward pass that runs them (D, padding, which kernels);
 * ``attention``: their differentiable union, registered as ``impl="pallas"`` on import;
 * ``tpu_decode``: the decode kernels (split-KV over a contiguous or paged KV cache); ``decoding``:
