@@ -145,11 +145,12 @@ def estimate_decode(kind: str = "contiguous", *, batch: int = 1, kv_len: int = 4
 
 
 def decode_table(kv_lens=(4096, 16384, 65536), batches=(1, 8), splits=(1, 2, 4, 8), *, block_k: int = 2048,
-                 topology: str = "v5e:1x1", extra: bool = True, progress=None) -> list[dict[str, Any]]:
+                 topology: str = "v5e:1x1", extra: bool = True, progress=None,
+                 kinds: tuple[str, ...] | None = None) -> list[dict[str, Any]]:
     """:func:`estimate_decode` over ``kv_lens x batches x splits`` (contiguous, ``block_k``), and with ``extra``
     per (kv_len, batch) the forward kernel, plus a key-block sweep, the paged kernel, JAX's paged_attention and
-    the guarded artefact at the first shape. A configuration the toolchain refuses is a row with its ``status``
-    and no cycles."""
+    the guarded artefact at the first shape (``kinds``: only the rows of those kinds). A configuration the
+    toolchain refuses is a row with its ``status`` and no cycles."""
     plan: list[dict[str, Any]] = []
     for kv_len in kv_lens:
         for batch in batches:
@@ -165,6 +166,8 @@ def decode_table(kv_lens=(4096, 16384, 65536), batches=(1, 8), splits=(1, 2, 4, 
         plan += [dict(kind="jax_paged", num_splits=1, page_size=p, pages_per_step=n, **first)
                  for p, n in ((128, 16), (512, 4))]
         plan.append(dict(kind="guarded", num_splits=1, block_k=block_k, **first))
+    if kinds is not None:
+        plan = [options for options in plan if options["kind"] in kinds]
     rows = []
     for i, options in enumerate(plan):
         try:

@@ -32,6 +32,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--topology", default="v5e:1x1")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--only", default=None, help="re-make only these kinds (comma-separated) in the existing "
+                        "table, keeping its other rows, and say so in its header")
     args = parser.parse_args()
     chip = hardware.chip_for_topology(args.topology)
     out = args.out or Path(__file__).with_name(f"decode_{chip.name}.csv")
@@ -41,6 +43,9 @@ def main() -> None:
         print(f"[{done}/{total}] {row['kind']} b={row['batch']} kv={row['kv_len']} splits={row.get('num_splits')} "
               f"block={row.get('block_k')}: {row.get('cycles')} cycles, {row.get('vs_floor')}x floor", flush=True)
 
+    if args.only:
+        _remake(out, tuple(args.only.split(",")), args.topology, state, progress)
+        return
     rows = decode_estimate.decode_table(topology=args.topology, progress=progress)
     header = [
         f"# static cycle estimates (libtpu --xla_jf_dump_static_llo_profile_to), target {args.topology}",
@@ -67,6 +72,25 @@ def main() -> None:
         for row in rows:
             writer.writerow({key: row.get(key, "") for key in COLUMNS})
     print(f"wrote {out}")
+
+
+def _remake(out: Path, kinds: tuple[str, ...], topology: str, state, progress) -> None:
+    """Re-estimate the rows of ``kinds`` in ``out`` (same order), keep the others, and add a header line."""
+    lines = out.read_text().splitlines()
+    header = [line for line in lines if line.startswith("#")]
+    old = list(csv.DictReader(line for line in lines if not line.startswith("#")))
+    new = iter(decode_estimate.decode_table(topology=topology, progress=progress, kinds=kinds))
+    rows = [({key: row.get(key, "") for key in COLUMNS} if old_row["kind"] in kinds else old_row)
+            for old_row in old for row in [next(new) if old_row["kind"] in kinds else {}]]
+    header.append(f"# {', '.join(kinds)} rows re-made by make_decode_estimates.py --only {','.join(kinds)} at commit "
+                  f"{state.commit}" + (" (sources edited)" if state.edited else "") + f", libtpu "
+                  f"{estimate.libtpu_version()}, {datetime.date.today()}")
+    with out.open("w", newline="") as f:
+        f.write("\n".join(header) + "\n")
+        writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"re-made the {', '.join(kinds)} rows of {out}")
 
 
 if __name__ == "__main__":
