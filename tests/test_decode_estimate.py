@@ -1,6 +1,6 @@
 """flashlib.decode_estimate (issue 17): the HBM floor's arithmetic anywhere; with a libtpu that writes static
 profiles (the newest-jax environment), the decode kernel within 1.3x of the floor where the forward kernel is
-~10x; and the committed table (data/estimates/decode_v5e.csv) says the same for every cache length and split.
+~5x; and the committed table (data/estimates/decode_v5e.csv) says the same for every cache length and split.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def test_the_committed_table_has_the_kernel_near_the_floor_and_the_forward_far_f
     forward_rows = [r for r in rows if r["kind"] == "forward"]
     assert {int(r["kv_len"]) for r in decode_rows} == {4096, 16384, 65536} and len(forward_rows) == 6
     assert all(r["status"] == "ok" and 1.0 <= float(r["vs_floor"]) <= 1.3 for r in decode_rows), decode_rows
-    assert all(float(r["vs_floor"]) > 5 for r in forward_rows)
+    assert all(float(r["vs_floor"]) > 4 for r in forward_rows)
 
 
 @pytest.mark.tpu
@@ -52,4 +52,6 @@ def test_the_decode_kernel_reads_the_cache_near_the_hbm_floor():
     row = decode_estimate.estimate_decode("contiguous", kv_len=4096, num_splits=2)
     assert 1.0 <= row["vs_floor"] <= 1.3, row
     forward = decode_estimate.estimate_decode("forward", kv_len=4096)
-    assert forward["cycles"] > 5 * row["cycles"]  # the forward reads K and V once per query head
+    # the forward reads K and V once per group too (notebook 09's heads per step), but computes each head on its
+    # own 16-row query tile, 15 rows of padding
+    assert forward["cycles"] > 3 * row["cycles"]

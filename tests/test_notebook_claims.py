@@ -153,6 +153,10 @@ CLAIMS: dict[str, list[Claim]] = {
         Claim("v6e would lose at most about 10% of its estimated cycles",
               r"v6e T=8192 causal=False: at 32 MiB [^\n]*: 1\.105x the cycles"),
     ],
+    "10_decoding.ipynb": [
+        Claim("The training kernel (`forward`, at the 16-row query block that `q_len = 1` pads to) is ~5x the floor",
+              r"forward\s+1\s+4096\s+1\s+[\d,]+\s+[\d,]+\s+5\.\d+\n(.|\n)*forward\s+8\s+65536\s+1\s+[\d,]+\s+[\d,]+\s+5\.\d+"),
+    ],
     "09_masks_and_variants.ipynb": [
         Claim("in interpret mode here, on 128 queries over 256 keys",
               r"q \(1, 4, 128, 32\) k \(1, 2, 256, 32\)"),
