@@ -69,6 +69,15 @@ def tpu_race_state():
     return None
 
 
+def assert_no_races() -> None:
+    """After a run with ``pltpu.InterpretParams(detect_races=True)``: its race detector found no race (skips
+    where this jax has no race-detector state we can read)."""
+    races = tpu_race_state()
+    if races is None or not hasattr(races, "races_found"):
+        pytest.skip("this jax has no readable race-detector state (jax._src.pallas.mosaic.interpret.races)")
+    assert not races.races_found
+
+
 @pytest.fixture
 def qkv():
     """The factory :func:`make_qkv` as a fixture."""

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_qkv, tpu_race_state
+from conftest import assert_no_races, make_qkv
 from jax.experimental.pallas import tpu as pltpu
 
 import flashlib
@@ -142,10 +142,7 @@ def test_tpu_interpret_mode_detects_no_races():
     out = tpu_forward.forward(q, k, v, causal=True, scale=32 ** -0.5, sizes=sizes, interpret=params,
                               return_lse=False, compact=True)
     check_attention(out, q, k, v, causal=True, quiet=True)
-    races = tpu_race_state()
-    if races is None or not hasattr(races, "races_found"):
-        pytest.skip("this jax has no readable race-detector state (jax._src.pallas.mosaic.interpret.races)")
-    assert not races.races_found
+    assert_no_races()
 
 
 def test_gradients_through_the_compacted_forward():

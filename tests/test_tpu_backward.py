@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_qkv, tpu_race_state
+from conftest import assert_no_races, make_qkv, tpu_race_state
 from jax.experimental.pallas import tpu as pltpu
 from jax.test_util import check_grads
 
@@ -183,10 +183,7 @@ def test_tpu_interpret_mode_detects_no_races(causal):
     do, params = cotangent(q), pltpu.InterpretParams(detect_races=True)
     grads = pallas_grads(q, k, v, do, causal=causal, block_sizes=backward_sizes(64, 128), interpret=params)
     check_attention_grads(grads, q, k, v, do, causal=causal, quiet=True)
-    races = tpu_race_state()
-    if races is None or not hasattr(races, "races_found"):
-        pytest.skip("this jax has no readable race-detector state (jax._src.pallas.mosaic.interpret.races)")
-    assert not races.races_found
+    assert_no_races()
 
 
 def test_dkv_causal_skips_copies_of_query_blocks_it_does_not_need():

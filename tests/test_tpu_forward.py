@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_qkv, tpu_race_state
+from conftest import assert_no_races, make_qkv, tpu_race_state
 from jax.experimental.pallas import tpu as pltpu
 
 import flashlib
@@ -122,10 +122,7 @@ def test_tpu_interpret_mode_detects_no_races(causal):
     params = pltpu.InterpretParams(detect_races=True)
     out = pallas(q, k, v, causal=causal, block_sizes=BlockSizes(64, 128), interpret=params)
     check_attention(out, q, k, v, causal=causal, quiet=True)
-    races = tpu_race_state()
-    if races is None or not hasattr(races, "races_found"):
-        pytest.skip("this jax has no readable race-detector state (jax._src.pallas.mosaic.interpret.races)")
-    assert not races.races_found
+    assert_no_races()
 
 
 def test_causal_skips_copies_of_blocks_above_the_diagonal():
