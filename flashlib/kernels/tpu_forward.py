@@ -177,9 +177,6 @@ def forward(q, k, v, segment_ids=None, sinks=None, *, causal: bool, scale: float
     def kv_index_map(b, h, *ids):  # h: the step's first query head is h * pack; GQA: its group's kv head
         return b, (h if group == pack else lax.div(h, group // pack)), kv_step_of(b, ids), 0
 
-    def row_stat_index_map(b, h, *ids):
-        return b, h, q_block_of(ids), 0
-
     squeezed = pl.squeezed
     # The step's query heads: one [pack, ...] block per operand, or (separate_heads) `pack` operands of one head each.
     heads_block = pack if pack > 1 and not separate_heads else squeezed
@@ -188,7 +185,11 @@ def forward(q, k, v, segment_ids=None, sinks=None, *, causal: bool, scale: float
     def of_head(index_map, nth: int):  # separate_heads: operand `nth` holds query head h * pack + nth
         if not separate_heads:
             return index_map
-        return lambda b, h, *rest: (lambda index: (index[0], h * pack + nth, *index[2:]))(index_map(b, h, *rest))
+
+        def head_nth(b, h, *ids):
+            _, _, *rest = index_map(b, h, *ids)
+            return (b, h * pack + nth, *rest)
+        return head_nth
 
     k_spec = pl.BlockSpec((squeezed, squeezed, kv_step, head_dim), kv_index_map)
     v_spec = pl.BlockSpec((squeezed, squeezed, kv_step, v_head_dim), kv_index_map)
@@ -209,7 +210,7 @@ def forward(q, k, v, segment_ids=None, sinks=None, *, causal: bool, scale: float
     out_specs = [pl.BlockSpec((squeezed, heads_block, block_q, v_head_dim), q_index_map)] * operands
     if return_lse:  # lane-replicated like m and l: a lane-dense [block_q, 128] store
         out_shape += [jax.ShapeDtypeStruct((batch, out_heads, q_padded.shape[2], NUM_LANES), jnp.float32)] * operands
-        out_specs += [pl.BlockSpec((squeezed, heads_block, block_q, NUM_LANES), row_stat_index_map)] * operands
+        out_specs += [pl.BlockSpec((squeezed, heads_block, block_q, NUM_LANES), q_index_map)] * operands
 
     dims = (batch, heads, q_len, kv_len, head_dim, causal)
     kernel = functools.partial(
