@@ -1,11 +1,26 @@
 """Shared test set-up: CPU only, deterministic keys, hypothesis profiles, the ``tpu`` marker, the
-picture tests' fixtures and marks."""
+picture tests' fixtures and marks, and how the suite is split across pytest-xdist's workers.
+
+Parallel runs (``make test`` runs ``pytest -n auto --dist loadgroup``): every test is its own unit of work
+except those that must share a process, which :func:`pytest_collection_modifyitems` puts in one
+``xdist_group``: the cells of one notebook (nbval runs them in order in one kernel), a module whose
+tests share a module-scoped fixture (the 8-device subprocess of ``test_sharded.py``, the Colab venv of
+``test_colab_route.py``: built once, not once per worker), and a peer suite's case (its float64 oracle and
+naive errors are cached per case and shared by the four impls). Each worker is its own process, so each
+has its own ``vm.max_map_count`` budget (see :func:`_release_compiled_programs`); the run's terminal
+summary prints every worker's peak count of memory mappings, and the time spent in each test file.
+
+Search or smoke: ``FLASHLIB_SEARCH=smoke`` (set by ``make test-colab``) runs the property searches that
+re-check the same property with the same strategy in both environments (:func:`search_examples`) with a
+quarter of their examples, still drawn at random; the main environment runs the full search."""
 
 from __future__ import annotations
 
 import gc
 import importlib
 import os
+import time
+from collections import defaultdict
 
 # Before jax is imported anywhere: run on the CPU even where libtpu is installed (it is, for the AOT
 # compile checks), and let several processes load libtpu at once.
@@ -19,8 +34,22 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 
 from flashlib import env  # noqa: E402
 
+# "search" (the default) or "smoke": how many examples a search that runs in both environments draws here.
+SEARCH_MODE = os.environ.get("FLASHLIB_SEARCH", "search")
+if SEARCH_MODE not in ("search", "smoke"):
+    raise pytest.UsageError(f"FLASHLIB_SEARCH={SEARCH_MODE!r}: use 'search' (default) or 'smoke'")
+
+
+def search_examples(n: int) -> int:
+    """``n`` examples where this environment runs the search, a quarter of them (at least 3, still random)
+    where it runs the smoke set: for a search of the same property with the same strategy in both
+    environments, whose code does not depend on the jax version more than its smoke set shows."""
+    return n if SEARCH_MODE == "search" else max(3, n // 4)
+
+
 settings.register_profile(
-    "default", deadline=None, max_examples=12, suppress_health_check=[HealthCheck.too_slow], derandomize=True
+    "default", deadline=None, max_examples=search_examples(12), suppress_health_check=[HealthCheck.too_slow],
+    derandomize=False, print_blob=True,
 )
 settings.register_profile("thorough", parent=settings.get_profile("default"), max_examples=100, derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
@@ -36,6 +65,36 @@ def _release_compiled_programs():
     yield
     jax.clear_caches()
     gc.collect()
+    _PEAK_MAPPINGS[0] = max(_PEAK_MAPPINGS[0], _memory_mappings())
+
+
+_PEAK_MAPPINGS = [0]
+
+
+@pytest.fixture(autouse=True)
+def _full_optimization_where_marked(request):
+    """A test marked ``optimized`` compiles at XLA's full level even where ``make test`` sets
+    ``JAX_DISABLE_MOST_OPTIMIZATIONS=1``: what it checks is what the optimizer does to the program."""
+    lowered = jax.config.values.get("jax_disable_most_optimizations")
+    if request.node.get_closest_marker("optimized") is None or not lowered:
+        yield
+        return
+    jax.clear_caches()
+    jax.config.update("jax_disable_most_optimizations", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_disable_most_optimizations", True)
+        jax.clear_caches()
+
+
+def _memory_mappings() -> int:
+    """This process's count of memory mappings (0 where /proc is not there)."""
+    try:
+        with open("/proc/self/maps", "rb") as maps:
+            return sum(1 for _ in maps)
+    except OSError:
+        return 0
 
 
 def make_qkv(
@@ -113,7 +172,27 @@ PICTURE_TEST_MARKS = [
 ]
 
 
+def _xdist_group(item) -> str | None:
+    """The group of tests that must run in one worker with ``item`` (None: it can run anywhere)."""
+    path = item.nodeid.split("::")[0]
+    if path.endswith(".ipynb"):
+        return path  # nbval: one notebook, one kernel, its cells in order
+    fixtures = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+    if any(d.scope == "module" and d.argname != "_release_compiled_programs" for defs in fixtures.values()
+           for d in defs):
+        return path  # a module-scoped fixture, computed once for the module
+    case = getattr(getattr(item, "callspec", None), "params", {}).get("case")
+    if path.startswith("tests/peers/") and hasattr(case, "id"):
+        return f"{path}::{case.id}"  # a peer's case: oracle and naive errors cached for its impls
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        group = _xdist_group(item)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
     if env.has_libtpu():
         return
     if os.environ.get("FLASHLIB_REQUIRE_LIBTPU") == "1":  # set by `make test`: CI must really compile
@@ -122,3 +201,65 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "tpu" in item.keywords:
             item.add_marker(skip)
+
+
+# ---------------------------------------------------------------------------------------------------
+# What the run cost: time by test file, and each worker's peak count of memory mappings
+# ---------------------------------------------------------------------------------------------------
+
+
+def pytest_collection_finish(session):
+    """Under ``--dist loadgroup``, every grouped test carries its group in its node id (xdist's channel to
+    its scheduler); where it does not, the groups are ignored and a notebook's cells would run on two
+    workers: say so instead of failing cell by cell."""
+    if getattr(session.config, "workerinput", None) is None or not session.config.getvalue("loadgroup"):
+        return
+    lost = [item.nodeid for item in session.items
+            if item.get_closest_marker("xdist_group") is not None and "@" not in item.nodeid]
+    if lost:
+        raise pytest.UsageError(f"pytest-xdist ignored the xdist_group of {len(lost)} tests (e.g. {lost[0]}): "
+                                "this pytest/xdist pair loses the groups (pytest-xdist #1386); install pytest<9.2")
+
+
+def pytest_sessionfinish(session):
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # an xdist worker: hand the peak to the controller
+        workeroutput["peak_mappings"] = max(_PEAK_MAPPINGS[0], _memory_mappings())
+
+
+_WORKER_PEAKS: dict[str, int] = {}
+_STARTED = time.monotonic()
+
+
+def pytest_testnodedown(node, error):
+    peak = getattr(node, "workeroutput", {}).get("peak_mappings")
+    if peak is not None:
+        _WORKER_PEAKS[node.gateway.id] = peak
+
+
+def pytest_terminal_summary(terminalreporter):
+    seconds: dict[str, float] = defaultdict(float)
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if isinstance(report, pytest.TestReport):
+                seconds[report.nodeid.split("::")[0]] += report.duration
+    if not seconds:
+        return
+    total = sum(seconds.values())
+    wall = time.monotonic() - _STARTED
+    terminalreporter.write_sep("=", f"time by file: {total:.0f} s of test time in {wall:.0f} s of wall time")
+    for path, spent in sorted(seconds.items(), key=lambda kv: -kv[1])[:20]:
+        terminalreporter.write_line(f"{spent:8.1f} s  {100 * spent / total:5.1f}%  {path}")
+    peaks = _WORKER_PEAKS or {"main": max(_PEAK_MAPPINGS[0], _memory_mappings())}
+    limit = _read_int("/proc/sys/vm/max_map_count")
+    terminalreporter.write_line("peak memory mappings per process: " + ", ".join(
+        f"{name} {count:,}" for name, count in sorted(peaks.items())) + (f" (vm.max_map_count {limit:,})"
+                                                                          if limit else ""))
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None

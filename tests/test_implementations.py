@@ -1,4 +1,8 @@
-"""Every registered implementation against the float64 oracle: property tests over the whole contract."""
+"""Every registered implementation against the float64 oracle: property tests over the whole contract.
+
+Search or smoke (``tests/conftest.py``): the property tests (the default profile's 12 random examples) run in full
+in the main environment and as 3 random examples under ``make test-colab``; the fixed cases run in both.
+"""
 
 from __future__ import annotations
 

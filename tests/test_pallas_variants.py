@@ -11,6 +11,9 @@ head_dim of its own, alone and combined, forward and backward (``dsinks`` too), 
 * :mod:`flashlib.cost`'s counts of the band (the kernels' ``pl.CostEstimate``) against the kernels' grids walked
   step by step and against the element mask, and as XLA reports them for compiled windowed kernels;
 * the forward and gradient compiled for v5e and v6e by libtpu.
+
+Search or smoke (``tests/conftest.py``): the block-geometry search (NumPy only) and the kernel search run in full
+in the main environment and as a random quarter under ``make test-colab``; every fixed case runs in both.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import search_examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.experimental.pallas import tpu as pltpu
@@ -41,7 +45,7 @@ BF16 = jnp.bfloat16
 side = st.one_of(st.none(), st.integers(0, 40))
 
 
-@settings(max_examples=300, derandomize=False, deadline=None)
+@settings(max_examples=search_examples(300), derandomize=False, deadline=None)
 @given(q_len=st.integers(1, 70), kv_len=st.integers(1, 70), block_q=st.sampled_from([1, 3, 8, 16]),
        block_k=st.sampled_from([1, 4, 8, 32]), causal=st.booleans(), window=st.one_of(st.none(), st.tuples(side, side)))
 def test_block_geometry_follows_the_element_rule(q_len, kv_len, block_q, block_k, causal, window):
@@ -288,7 +292,7 @@ def _vjp(q, k, v, causal, variants, *, interpret=True, sizes=SIZES):
     return out, vjp
 
 
-@settings(max_examples=12, derandomize=False, deadline=None)
+@settings(max_examples=search_examples(12), derandomize=False, deadline=None)
 @given(cases())
 def test_pallas_variants_match_the_oracle(case):
     q, k, v, causal, variants = case

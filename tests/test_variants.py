@@ -13,6 +13,10 @@ Three independent views are held against each other:
 The property tests search (``derandomize=False``: fresh examples each run; a failure prints the seed to replay
 with ``pytest --hypothesis-seed=N`` and is then kept as an explicit ``@example``). Score scales reach large
 logits, lengths reach 1, windows and segments reach rows that see no key.
+
+Search or smoke (``tests/conftest.py``): every search here runs in full in the main environment and as a random
+quarter under ``make test-colab`` (the float64 views are NumPy; the impls' searches are the same property with the
+same strategy); every fixed case runs in both.
 """
 
 from __future__ import annotations
@@ -23,14 +27,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import search_examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import flashlib
 from flashlib import masks, reference
 
-SEARCH = settings(max_examples=100, derandomize=False, deadline=None)  # the float64 views: cheap
-COMPILED = settings(max_examples=40, derandomize=False, deadline=None)  # each example compiles a program
+SEARCH = settings(max_examples=search_examples(100), derandomize=False, deadline=None)  # the float64 views: cheap
+COMPILED = settings(max_examples=search_examples(40), derandomize=False, deadline=None)  # each compiles a program
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -176,7 +181,7 @@ def _finite_differences(fn, x, eps=1e-6):
     return grad
 
 
-@settings(max_examples=25, derandomize=False, deadline=None)
+@settings(max_examples=search_examples(25), derandomize=False, deadline=None)
 @given(cases(max_len=5))
 def test_oracle_gradients_are_the_derivative(case):
     """``attention_vjp_oracle`` (the backward written by hand) against central differences of the oracle."""
