@@ -71,7 +71,8 @@ def run_planted(bug: Bug, *, smoke: bool) -> tuple[bool, float]:
             done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-n", "2", "--dist", "loadgroup",
                                    "-p", "no:cacheprovider", target], cwd=ROOT, env=env, capture_output=True,
                                   text=True)
-            failed = done.returncode == 1
+            # a failure: exit 1, or 2 where xdist stops the session at -x's first failure
+            failed = done.returncode in (1, 2) and "failed" in done.stdout.lower()
             print(f"  {bug.name}: {target}: {'FAILED (caught)' if failed else f'exit {done.returncode}'}")
             caught &= failed
     finally:

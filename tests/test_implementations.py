@@ -46,7 +46,9 @@ shapes = attention_cases(max_batch=3, max_heads=4, max_len=600, head_dims=[32, 6
 def test_matches_oracle(impl, case):
     causal = case.pop("causal")
     q, k, v = make_qkv(**case)
-    out = flashlib.attention(q, k, v, causal=causal, impl=impl)
+    # jitted: one compiled program per example (eagerly, each op compiles on its own for each new shape);
+    # the fixed cases below run eagerly
+    out = jax.jit(lambda q, k, v: flashlib.attention(q, k, v, causal=causal, impl=impl))(q, k, v)
     checks.check_attention(out, q, k, v, causal=causal, name=impl, quiet=True)
 
 
@@ -113,5 +115,9 @@ def test_gradients_match_oracle(impl, case):
     causal = case.pop("causal")
     q, k, v = make_qkv(**case)
     do = jax.random.normal(jax.random.key(case["seed"] + 1), q.shape, jnp.float32).astype(q.dtype)
-    _, vjp = jax.vjp(lambda q, k, v: flashlib.attention(q, k, v, causal=causal, impl=impl), q, k, v)
-    checks.check_attention_grads(vjp(do), q, k, v, do, causal=causal, name=impl, quiet=True)
+
+    @jax.jit
+    def grads(q, k, v, do):  # one compiled program per example, as in test_matches_oracle
+        return jax.vjp(lambda q, k, v: flashlib.attention(q, k, v, causal=causal, impl=impl), q, k, v)[1](do)
+
+    checks.check_attention_grads(grads(q, k, v, do), q, k, v, do, causal=causal, name=impl, quiet=True)

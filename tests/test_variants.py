@@ -147,6 +147,18 @@ def _impl_options(impl, data):
                                                                                             label="block_k")}
 
 
+def _out_and_grads(fn, primals, do):
+    """``(out, grads)`` of ``fn`` at ``primals`` with cotangent ``do``, as one compiled program: an eager VJP
+    compiles each of its ~40 ops on its own for every new shape, which was most of a search's time. (Jit is
+    also how models call attention; the fixed cases below run eagerly.)"""
+
+    def both(primals, do):
+        out, vjp = jax.vjp(fn, *primals)
+        return out, vjp(do)
+
+    return jax.jit(both)(primals, do)
+
+
 def _supported(impl, q, k, v, given_) -> bool:
     return impl != "xla" or (set(given_) <= XLA_FEATURES and v.shape[-1] == q.shape[-1])
 
@@ -164,7 +176,9 @@ def test_impls_in_float32_match_the_oracle(case, impl, data):
     if "sinks" in given_:
         jax_variants["sinks"] = jnp.asarray(given_["sinks"], jnp.float32)
     f32 = [jnp.asarray(x, jnp.float32) for x in (q, k, v)]
-    out = flashlib.attention(*f32, causal=variants["causal"], impl=impl, **jax_variants, **_impl_options(impl, data))
+    options = _impl_options(impl, data)
+    out = jax.jit(lambda q, k, v: flashlib.attention(q, k, v, causal=variants["causal"], impl=impl, **jax_variants,
+                                                     **options))(*f32)
     want = reference.attention_oracle(*(np.asarray(x, np.float64) for x in f32), causal=variants["causal"],
                                       **{**given_, **({"sinks": np.asarray(jax_variants["sinks"], np.float64)}
                                                       if "sinks" in given_ else {})})
@@ -227,7 +241,7 @@ def test_impl_gradients_match_the_oracle(case, impl, data):
         return flashlib.attention(q, k, v, causal=variants["causal"], impl=impl, **jax_variants, **extra, **options)
 
     primals = (q, k, v) if sinks is None else (q, k, v, sinks)
-    grads = jax.vjp(fn, *primals)[1](do)
+    _, grads = _out_and_grads(fn, primals, do)
     oracle_variants = {**given_, **({} if sinks is None else {"sinks": np.asarray(sinks, np.float64)})}
     want = reference.attention_vjp_oracle(*(np.asarray(x, np.float64) for x in (q, k, v, do)),
                                           causal=variants["causal"], **oracle_variants)
@@ -372,8 +386,8 @@ def test_bfloat16_by_flashattentions_rule(case, impl, data):
         return flashlib.attention(q, k, v, causal=variants["causal"], impl=impl, **jax_variants, **extra, **options)
 
     primals = (q, k, v) if sinks is None else (q, k, v, sinks)
-    out, vjp = jax.vjp(fn, *primals)
+    out, grads = _out_and_grads(fn, primals, do)
     checks = flashlib.checks
     checks.check_attention(out, q, k, v, causal=variants["causal"], quiet=True, sinks=sinks, **jax_variants)
-    checks.check_attention_grads(vjp(do), q, k, v, do, causal=variants["causal"], sinks=sinks, quiet=True,
+    checks.check_attention_grads(grads, q, k, v, do, causal=variants["causal"], sinks=sinks, quiet=True,
                                  **jax_variants)
