@@ -7,6 +7,15 @@ restored byte for byte, also on Ctrl-C). ``--smoke`` runs the searches as ``make
 (``FLASHLIB_SEARCH=smoke``), the weaker of the two settings. A bug the tests do not catch is printed as
 SURVIVED and the exit status is 1. The tests run as make test runs them: ``JAX_DISABLE_MOST_OPTIMIZATIONS=1``,
 pytest-xdist with the suite's groups, stopping at the first failure.
+
+Each bug is paired with tests that caught it before the suite moved to parallel workers, unoptimized CPU
+compiles and smoke-sized searches on the Colab mirror (their shapes, examples or placement changed). Not every
+test catches every bug: ``test_wide_logits_keep_the_rule_pallas`` (10 random examples up to 160 tokens) does
+not catch the Pallas kernel's dropped rescale of ``l`` nor the band's off-by-one, in either setting; the peers'
+fixed cases and ``test_tpu_forward.py`` do. The off-by-one (a query block's last key one short) only drops a
+block where that key is the first of its block, which aligned square blocks never meet: of the tests tried
+(``test_tpu_forward.py``, the kernel-variant search, the wide-logit search) only the NumPy geometry search
+catches it, at 75 examples as at 300.
 """
 
 from __future__ import annotations
@@ -42,12 +51,11 @@ BUGS = [
     Bug("pallas-dropped-rescale", "flashlib/kernels/forward_kernel.py",
         "head.l[rows, :] = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)",
         "head.l[rows, :] = l_prev + jnp.sum(p, axis=1, keepdims=True)",
-        ("tests/test_hard_regimes.py::test_wide_logits_keep_the_rule_pallas", "tests/peers/test_flash_attention.py")),
+        ("tests/peers/test_flash_attention.py", "tests/test_tpu_forward.py::test_matches_oracle")),
     Bug("band-off-by-one-block", "flashlib/geometry.py",
         "return (q_block + 1) * block_q - 1 + (kv_len - q_len) + right",
         "return (q_block + 1) * block_q - 2 + (kv_len - q_len) + right",
-        ("tests/test_pallas_variants.py::test_block_geometry_follows_the_element_rule",
-         "tests/test_hard_regimes.py::test_wide_logits_keep_the_rule_pallas")),
+        ("tests/test_pallas_variants.py::test_block_geometry_follows_the_element_rule",)),
     Bug("merge-without-rescale", "flashlib/reference.py",
         "l=a.l * alpha + b.l * beta,", "l=a.l * alpha + b.l,",
         ("tests/test_decode.py::test_reference_and_split_kv_match_the_oracle", "tests/test_sharded.py")),
