@@ -40,7 +40,7 @@ PARALLEL := -n $(TEST_WORKERS) --dist loadgroup --durations=30
 # In the test targets only: XLA compiles the CPU programs without LLVM's expensive passes (the same HLO,
 # the same fusions; TPU compiles and static estimates are unaffected). Compiling was ~90% of the time of the
 # property searches; tests marked `optimized` compile at the full level, as a learner's laptop does.
-TEST_ENV := JAX_DISABLE_MOST_OPTIMIZATIONS=1 FLASHLIB_REQUIRE_LIBTPU=1
+TEST_ENV := JAX_DISABLE_MOST_OPTIMIZATIONS=1
 
 .PHONY: help lab test test-colab test-quick lint test-lib test-notebooks notebooks colab-bundle clean
 
@@ -70,11 +70,11 @@ lint: $(VENV)/.installed
 # `make test` = lint, then one pytest run: the library tests (incl. the TPU compile checks, which must
 # really compile here: FLASHLIB_REQUIRE_LIBTPU) and strict nbval of every notebook.
 test: lint
-	$(TEST_ENV) $(VENV)/bin/pytest $(PARALLEL) tests $(NBVAL) $(NOTEBOOKS)
+	$(TEST_ENV) FLASHLIB_REQUIRE_LIBTPU=1 $(VENV)/bin/pytest $(PARALLEL) tests $(NBVAL) $(NOTEBOOKS)
 
 test-colab: $(COLAB_VENV)/.installed
 	$(COLAB_VENV)/bin/python -c 'import jax, sys; print("colab mirror: python", sys.version.split()[0], "jax", jax.__version__)'
-	$(TEST_ENV) FLASHLIB_COLAB_ROUTE=1 FLASHLIB_SEARCH=smoke $(COLAB_VENV)/bin/pytest $(PARALLEL) tests $(NBVAL) $(NOTEBOOKS)
+	$(TEST_ENV) FLASHLIB_REQUIRE_LIBTPU=1 FLASHLIB_COLAB_ROUTE=1 FLASHLIB_SEARCH=smoke $(COLAB_VENV)/bin/pytest $(PARALLEL) tests $(NBVAL) $(NOTEBOOKS)
 
 # Beside make test, never instead: a verdict in a few minutes while editing (CI runs make test).
 test-quick: lint

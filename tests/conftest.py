@@ -203,11 +203,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-# ---------------------------------------------------------------------------------------------------
-# What the run cost: time by test file, and each worker's peak count of memory mappings
-# ---------------------------------------------------------------------------------------------------
-
-
 def pytest_collection_finish(session):
     """Under ``--dist loadgroup``, every grouped test carries its group in its node id (xdist's channel to
     its scheduler); where it does not, the groups are ignored and a notebook's cells would run on two
@@ -219,6 +214,11 @@ def pytest_collection_finish(session):
     if lost:
         raise pytest.UsageError(f"pytest-xdist ignored the xdist_group of {len(lost)} tests (e.g. {lost[0]}): "
                                 "this pytest/xdist pair loses the groups (pytest-xdist #1386); install pytest<9.2")
+
+
+# ---------------------------------------------------------------------------------------------------
+# What the run cost: time by test file, and each worker's peak count of memory mappings
+# ---------------------------------------------------------------------------------------------------
 
 
 def pytest_sessionfinish(session):

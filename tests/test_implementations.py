@@ -6,6 +6,8 @@ in the main environment and as 3 random examples under ``make test-colab``; the 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +15,7 @@ import pytest
 from conftest import make_qkv
 from hypothesis import given
 from hypothesis import strategies as st
+from peers import rules
 
 import flashlib
 from flashlib import checks
@@ -115,9 +118,6 @@ def test_gradients_match_oracle(impl, case):
     causal = case.pop("causal")
     q, k, v = make_qkv(**case)
     do = jax.random.normal(jax.random.key(case["seed"] + 1), q.shape, jnp.float32).astype(q.dtype)
-
-    @jax.jit
-    def grads(q, k, v, do):  # one compiled program per example, as in test_matches_oracle
-        return jax.vjp(lambda q, k, v: flashlib.attention(q, k, v, causal=causal, impl=impl), q, k, v)[1](do)
-
-    checks.check_attention_grads(grads(q, k, v, do), q, k, v, do, causal=causal, name=impl, quiet=True)
+    fn = functools.partial(flashlib.attention, causal=causal, impl=impl)
+    _, *grads = jax.jit(rules.output_and_grads, static_argnums=0)(fn, q, k, v, do)  # one program, as above
+    checks.check_attention_grads(grads, q, k, v, do, causal=causal, name=impl, quiet=True)

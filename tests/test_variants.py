@@ -30,11 +30,15 @@ import pytest
 from conftest import search_examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from peers import rules
 
 import flashlib
 from flashlib import masks, reference
 
 SEARCH = settings(max_examples=search_examples(100), derandomize=False, deadline=None)  # the float64 views: cheap
+# Forward and VJP as one compiled program: an eager VJP compiles each of its ~40 ops on its own for every new
+# shape, which was most of a search's time (jit is also how models call attention; the fixed cases run eagerly).
+_compiled_out_and_grads = jax.jit(rules.output_and_grads, static_argnums=0)
 COMPILED = settings(max_examples=search_examples(40), derandomize=False, deadline=None)  # each compiles a program
 
 
@@ -147,18 +151,6 @@ def _impl_options(impl, data):
                                                                                             label="block_k")}
 
 
-def _out_and_grads(fn, primals, do):
-    """``(out, grads)`` of ``fn`` at ``primals`` with cotangent ``do``, as one compiled program: an eager VJP
-    compiles each of its ~40 ops on its own for every new shape, which was most of a search's time. (Jit is
-    also how models call attention; the fixed cases below run eagerly.)"""
-
-    def both(primals, do):
-        out, vjp = jax.vjp(fn, *primals)
-        return out, vjp(do)
-
-    return jax.jit(both)(primals, do)
-
-
 def _supported(impl, q, k, v, given_) -> bool:
     return impl != "xla" or (set(given_) <= XLA_FEATURES and v.shape[-1] == q.shape[-1])
 
@@ -241,7 +233,7 @@ def test_impl_gradients_match_the_oracle(case, impl, data):
         return flashlib.attention(q, k, v, causal=variants["causal"], impl=impl, **jax_variants, **extra, **options)
 
     primals = (q, k, v) if sinks is None else (q, k, v, sinks)
-    _, grads = _out_and_grads(fn, primals, do)
+    _, *grads = _compiled_out_and_grads(fn, *primals, do)
     oracle_variants = {**given_, **({} if sinks is None else {"sinks": np.asarray(sinks, np.float64)})}
     want = reference.attention_vjp_oracle(*(np.asarray(x, np.float64) for x in (q, k, v, do)),
                                           causal=variants["causal"], **oracle_variants)
@@ -386,7 +378,7 @@ def test_bfloat16_by_flashattentions_rule(case, impl, data):
         return flashlib.attention(q, k, v, causal=variants["causal"], impl=impl, **jax_variants, **extra, **options)
 
     primals = (q, k, v) if sinks is None else (q, k, v, sinks)
-    out, grads = _out_and_grads(fn, primals, do)
+    out, *grads = _compiled_out_and_grads(fn, *primals, do)
     checks = flashlib.checks
     checks.check_attention(out, q, k, v, causal=variants["causal"], quiet=True, sinks=sinks, **jax_variants)
     checks.check_attention_grads(grads, q, k, v, do, causal=variants["causal"], sinks=sinks, quiet=True,

@@ -99,9 +99,12 @@ def random_inputs(key, *, batch: int, heads: int, q_len: int, kv_len: int, head_
     return q, k, v, do
 
 
-def output_and_grads(fn, q, k, v, do) -> tuple[jax.Array, ...]:
-    """``(out, dq, dk, dv)`` of ``fn(q, k, v)`` with cotangent ``do``, from one ``jax.vjp``."""
-    out, vjp = jax.vjp(fn, q, k, v)
+def output_and_grads(fn, *primals_and_do) -> tuple[jax.Array, ...]:
+    """``(out, *grads)`` of ``fn(*primals)`` with cotangent ``do``, the last argument, from one ``jax.vjp``:
+    ``(out, dq, dk, dv)`` of ``fn(q, k, v)``, and ``dsinks`` too of ``fn(q, k, v, sinks)``. Under
+    ``jax.jit(output_and_grads, static_argnums=0)`` the forward and the VJP are one compiled program."""
+    *primals, do = primals_and_do
+    out, vjp = jax.vjp(fn, *primals)
     return (out, *vjp(do))
 
 
