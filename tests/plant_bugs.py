@@ -3,8 +3,8 @@ catch it under ``make test``'s settings, and report whether they failed.
 
 ``python tests/plant_bugs.py [--smoke] [NAME ...]`` (from the repository root, in the test environment):
 each planted bug is a one-line edit (:data:`BUGS`), applied in place and always reverted (the file is
-restored byte for byte, also on Ctrl-C). ``--smoke`` runs the searches as ``make test-colab`` does
-(``FLASHLIB_SEARCH=smoke``), the weaker of the two settings. A bug the tests do not catch is printed as
+restored byte for byte, also on Ctrl-C or SIGTERM, e.g. from ``timeout``). ``--smoke`` runs the searches
+as ``make test-colab`` does (``FLASHLIB_SEARCH=smoke``), the weaker of the two settings. A bug the tests do not catch is printed as
 SURVIVED and the exit status is 1. The tests run as make test runs them: ``JAX_DISABLE_MOST_OPTIMIZATIONS=1``,
 pytest-xdist with the suite's groups, stopping at the first failure.
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -88,7 +89,12 @@ def run_planted(bug: Bug, *, smoke: bool) -> tuple[bool, float]:
     return caught, time.monotonic() - start
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt  # so a planted bug is reverted (run_planted's finally) when killed by SIGTERM
+
+
 def main() -> None:
+    signal.signal(signal.SIGTERM, _interrupt)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("names", nargs="*", help="planted bugs to run (default: all)")
     parser.add_argument("--smoke", action="store_true", help="run the searches as make test-colab does")
