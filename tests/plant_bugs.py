@@ -5,8 +5,8 @@ catch it under ``make test``'s settings, and report whether they failed.
 each planted bug is a one-line edit (:data:`BUGS`), applied in place and always reverted (the file is
 restored byte for byte, also on Ctrl-C or SIGTERM, e.g. from ``timeout``). ``--smoke`` runs the searches
 as ``make test-colab`` does (``FLASHLIB_SEARCH=smoke``), the weaker of the two settings. A bug the tests
-do not catch is printed as SURVIVED and the exit status is 1. The tests run as make test runs them: ``JAX_DISABLE_MOST_OPTIMIZATIONS=1``,
-pytest-xdist with the suite's groups, stopping at the first failure.
+do not catch is printed as SURVIVED and the exit status is 1. The tests run as make test runs them:
+``JAX_DISABLE_MOST_OPTIMIZATIONS=1``, pytest-xdist with the suite's groups, stopping at the first failure.
 
 Each bug is paired with tests that caught it before the suite moved to parallel workers, unoptimized CPU
 compiles and smoke-sized searches on the Colab mirror (their shapes, examples or placement changed). Not every
