@@ -47,18 +47,20 @@ TEST_ENV := JAX_DISABLE_MOST_OPTIMIZATIONS=1
 help:
 	@sed -n '3,9p' Makefile | sed 's/^# //'
 
+# --no-compile: Python compiles each module to bytecode when it is first imported, not every module of every
+# package at install time (most are never imported here).
 $(VENV)/.installed: pyproject.toml tests/test-constraints.txt
 	@test -n "$(PYTHON)" || { echo "No Python >= 3.11 found; install one (python3.12 preferred)."; exit 1; }
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
-	$(VENV)/bin/python -m pip install -q -c tests/test-constraints.txt -e "$(EXTRAS)"
+	$(VENV)/bin/python -m pip install -q --no-compile -c tests/test-constraints.txt -e "$(EXTRAS)"
 	touch $@
 
 $(COLAB_VENV)/.installed: pyproject.toml tests/colab-constraints.txt tests/test-constraints.txt
 	@test -n "$(COLAB_PYTHON)" || { echo "make test-colab needs python3.13 (Colab's); none found."; exit 1; }
 	test -d $(COLAB_VENV) || $(COLAB_PYTHON) -m venv $(COLAB_VENV)
 	$(COLAB_VENV)/bin/python -m pip install -q --upgrade pip
-	$(COLAB_VENV)/bin/python -m pip install -q -c tests/colab-constraints.txt -c tests/test-constraints.txt -e "$(EXTRAS)"
+	$(COLAB_VENV)/bin/python -m pip install -q --no-compile -c tests/colab-constraints.txt -c tests/test-constraints.txt -e "$(EXTRAS)"
 	touch $@
 
 lab: $(VENV)/.installed

@@ -96,6 +96,19 @@ def contiguous(cache: KVCache | PagedKVCache) -> KVCache:
     return KVCache(gather(cache.k_pages), gather(cache.v_pages), jnp.asarray(cache.lengths))
 
 
+def _contiguous_float64(cache: KVCache | PagedKVCache) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`contiguous`'s k and v in float64 NumPy, for the oracle: the same gather, independent of JAX."""
+    if isinstance(cache, KVCache):
+        return np.asarray(cache.k, np.float64), np.asarray(cache.v, np.float64)
+    pages = np.asarray(cache.block_table)  # [b, pages_per_seq]
+
+    def gather(pool) -> np.ndarray:
+        seq = np.moveaxis(np.asarray(pool, np.float64)[pages], 2, 1)  # [b, kv_heads, pages_per_seq, page_size, d]
+        return seq.reshape(seq.shape[0], seq.shape[1], -1, seq.shape[-1])  # [b, kv_heads, max_len, d]
+
+    return gather(cache.k_pages), gather(cache.v_pages)
+
+
 def check_variants(softcap: Any = None, window: Any = None) -> tuple[float | None, int | None]:
     """``(softcap, left)`` checked: decoding takes :mod:`flashlib.masks`' soft-cap and sliding window. Decoding
     is causal, so only the window's left side narrows anything (query ``i`` at position ``p`` sees keys ``p -
@@ -188,9 +201,8 @@ def decode_oracle(q, cache: KVCache | PagedKVCache, *, scale: float | None = Non
     window only the ``left`` keys before each query's own, with a soft-cap its scores capped."""
     check_cache(q, cache)
     softcap, left = check_variants(softcap, window)
-    cache = contiguous(cache)
     q = np.asarray(q, np.float64)
-    k, v = np.asarray(cache.k, np.float64), np.asarray(cache.v, np.float64)
+    k, v = _contiguous_float64(cache)
     batch, heads, q_len, d = q.shape
     group = heads // k.shape[1]
     scale = default_scale(d) if scale is None else scale

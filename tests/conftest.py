@@ -61,14 +61,24 @@ def _release_compiled_programs():
     memory mappings until it is freed; the whole suite compiles tens of thousands, and jax 0.7.2's CPU
     backend (the Colab mirror's) segfaults inside the compiler once the process reaches Linux's
     ``vm.max_map_count`` (65,530 by default): measured 41k mappings two thirds of the way through, a crash
-    at the next compile after that. Cleared per module, the count stays at a few thousand."""
+    at the next compile after that. So after a module whose process holds more than
+    :data:`CLEAR_CACHES_ABOVE` mappings, the caches are cleared: the count stays far below the limit, and the
+    programs later modules compile again (the same small ops at the same shapes, the same kernels) are kept
+    until then instead of being compiled once per module."""
     yield
-    jax.clear_caches()
-    gc.collect()
+    if _memory_mappings() > CLEAR_CACHES_ABOVE:
+        jax.clear_caches()
+        gc.collect()
+        _CLEARS[0] += 1
     _PEAK_MAPPINGS[0] = max(_PEAK_MAPPINGS[0], _memory_mappings())
 
 
+# A quarter of Linux's default vm.max_map_count: one module adds at most a few thousand mappings.
+CLEAR_CACHES_ABOVE = 16_000
+
+
 _PEAK_MAPPINGS = [0]
+_CLEARS = [0]  # how often this process cleared its caches
 
 
 @pytest.fixture(autouse=True)
@@ -225,16 +235,17 @@ def pytest_sessionfinish(session):
     workeroutput = getattr(session.config, "workeroutput", None)
     if workeroutput is not None:  # an xdist worker: hand the peak to the controller
         workeroutput["peak_mappings"] = max(_PEAK_MAPPINGS[0], _memory_mappings())
+        workeroutput["cache_clears"] = _CLEARS[0]
 
 
-_WORKER_PEAKS: dict[str, int] = {}
+_WORKER_PEAKS: dict[str, tuple[int, int]] = {}  # worker: (peak mappings, cache clears)
 _STARTED = time.monotonic()
 
 
 def pytest_testnodedown(node, error):
-    peak = getattr(node, "workeroutput", {}).get("peak_mappings")
-    if peak is not None:
-        _WORKER_PEAKS[node.gateway.id] = peak
+    output = getattr(node, "workeroutput", {})
+    if output.get("peak_mappings") is not None:
+        _WORKER_PEAKS[node.gateway.id] = (output["peak_mappings"], output.get("cache_clears", 0))
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -250,11 +261,11 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_sep("=", f"time by file: {total:.0f} s of test time in {wall:.0f} s of wall time")
     for path, spent in sorted(seconds.items(), key=lambda kv: -kv[1])[:20]:
         terminalreporter.write_line(f"{spent:8.1f} s  {100 * spent / total:5.1f}%  {path}")
-    peaks = _WORKER_PEAKS or {"main": max(_PEAK_MAPPINGS[0], _memory_mappings())}
+    peaks = _WORKER_PEAKS or {"main": (max(_PEAK_MAPPINGS[0], _memory_mappings()), _CLEARS[0])}
     limit = _read_int("/proc/sys/vm/max_map_count")
     terminalreporter.write_line("peak memory mappings per process: " + ", ".join(
-        f"{name} {count:,}" for name, count in sorted(peaks.items())) + (f" (vm.max_map_count {limit:,})"
-                                                                          if limit else ""))
+        f"{name} {count:,} (caches cleared {clears}x)" for name, (count, clears) in sorted(peaks.items()))
+        + (f"; vm.max_map_count {limit:,}, caches cleared above {CLEAR_CACHES_ABOVE:,}" if limit else ""))
 
 
 def _read_int(path: str) -> int | None:

@@ -98,7 +98,10 @@ def colab(tmp_path_factory):
     venv = root / "venv"
     _run(sys.executable, "-m", "venv", venv)
     python = venv / "bin" / "python"
-    _run(python, "-m", "pip", "install", "--quiet", "-c", ROOT / "tests" / "colab-constraints.txt", *PACKAGES)
+    # --no-compile: no bytecode for every module of every package up front (CPU the suite needs); Python
+    # compiles what the notebooks import, when they import it.
+    _run(python, "-m", "pip", "install", "--quiet", "--no-compile", "-c", ROOT / "tests" / "colab-constraints.txt",
+         *PACKAGES)
     site = Path(_run(python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])").stdout.strip())
     (site / "google" / "colab").mkdir(parents=True, exist_ok=True)
     (site / "google" / "colab" / "__init__.py").write_text('"""Stand-in for Colab\'s own module."""\n')
