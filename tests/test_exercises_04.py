@@ -59,7 +59,8 @@ def head_with(mistake, q, k, v, *, causal=False, block_q=128, block_k=128):
                 return (m_new, alpha * l + p.sum(axis=1), acc + p @ v_blk), None
             return (m_new, alpha * l + p.sum(axis=1), alpha[:, None] * acc + p @ v_blk), None
 
-        init = (jnp.full(block_q, -jnp.inf), jnp.zeros(block_q), jnp.zeros((block_q, d)))
+        m0 = jnp.zeros(block_q) if mistake == "m starts at 0" else jnp.full(block_q, -jnp.inf)
+        init = (m0, jnp.zeros(block_q), jnp.zeros((block_q, d)))
         if mistake == "python loops":  # right numbers, but the loop is unrolled into the program
             state = init
             for j in range(len(kb)):
@@ -103,6 +104,7 @@ def test_head_stub_falls_back_to_the_solution(capsys):
     ("section 1's scale", r"the scale is 1/sqrt\(64\), section 1's global `scale`"),
     ("section 1's BLOCK", r"block sizes — called with block_q=32, block_k=16 it computes no \[32, 16\] tile"),
     ("kv_pos <= kv_len", r"kv_len = 75 does not divide.* — the first padded key \(position kv_len\) is visible"),
+    ("m starts at 0", r"case 'every score far below zero .*, no mask' — the running max m starts at 0, not -inf"),
 ])
 def test_head_wrong_answers_fail_with_their_hint(mistake, message):
     with pytest.raises(CheckFailed, match=message):
@@ -235,6 +237,8 @@ def one_head_with(mistake, q, k, v, block_k):
         kv_len = k.shape[0]
     scale = 1.0 if mistake == "unscaled" else reference.default_scale(q.shape[1])
     m, l, acc = jnp.full(q.shape[0], -jnp.inf), jnp.zeros(q.shape[0]), jnp.zeros(q.shape)  # noqa: E741
+    if mistake == "m starts at 0":  # the issue's m = jnp.zeros(q.shape[0], q.dtype)
+        m = jnp.zeros(q.shape[0], q.dtype)
     for lo in range(0, kv_len, block_k):
         hi = lo + block_k - (mistake == "slices one key short")  # k[lo:lo + block_k - 1]
         s = q @ k[lo:hi].T * scale
@@ -272,6 +276,8 @@ def test_one_head_stub_is_not_attempted(capsys):
      r"output dtype float64.*a NumPy scalar such as np.sqrt\(d\) turns float32 into float64"),
     (functools.partial(one_head_with, "zero-padded keys, no mask"),
      r"case 'block_k = 32 does not divide kv_len = 75' — the 21 zero rows padded onto k score 0"),
+    (functools.partial(one_head_with, "m starts at 0"),
+     r"case 'every score far below zero .*' — NaN or inf in the output: the running max m starts at 0, not -inf"),
     (functools.partial(one_head_with, "slices one key short"), r"max error .*: check that the blocks cover every key "
                                                                 r"exactly once \(k\[lo:lo \+ block_k\]"),
 ])
@@ -289,8 +295,8 @@ def test_one_head_solution_passes(answer, capsys):
 # -- exercise 2: the log-sum-exp ----------------------------------------------------------------------------------
 
 
-def with_lse(q, k, v, block_k, *, lse_of=lambda m, l: m + jnp.log(l)):  # noqa: E741
-    m, l, acc = jnp.full(q.shape[0], -jnp.inf), jnp.zeros(q.shape[0]), jnp.zeros(q.shape)  # noqa: E741
+def with_lse(q, k, v, block_k, *, lse_of=lambda m, l: m + jnp.log(l), m0=-jnp.inf):  # noqa: E741
+    m, l, acc = jnp.full(q.shape[0], m0), jnp.zeros(q.shape[0]), jnp.zeros(q.shape)  # noqa: E741
     for lo in range(0, k.shape[0], block_k):
         s = q @ k[lo:lo + block_k].T * reference.default_scale(q.shape[1])
         m_new = jnp.maximum(m, s.max(axis=1))
@@ -313,6 +319,12 @@ def test_lse_stub_is_not_attempted(capsys):
 def test_lse_wrong_answers_fail_with_their_hint(lse_of, message):
     with pytest.raises(CheckFailed, match=message):
         nb04.check_lse(functools.partial(with_lse, lse_of=lse_of))
+
+
+def test_lse_with_m_starting_at_0_fails_on_scores_far_below_zero():
+    with pytest.raises(CheckFailed, match=r"case 'every score far below zero .*' — NaN or inf in the output: "
+                                          r"the running max m starts at 0"):
+        nb04.check_lse(functools.partial(with_lse, m0=0.0))
 
 
 def test_lse_pair_the_wrong_way_round_fails():

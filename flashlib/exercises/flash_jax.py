@@ -115,6 +115,25 @@ def _qkv(seed: int, q_len: int, kv_len: int, d: int = 32, spread: float = 2.0):
             jax.random.normal(kv, (kv_len, d)))
 
 
+def _far_below_zero_qkv(seed: int, q_len: int, kv_len: int, d: int = 32):
+    """One-head inputs whose every score is far below zero (q near -3, k near 9: scores about -150, still spread),
+    where a running maximum started at 0 instead of -inf loses every key: ``exp(s - 0)`` underflows to 0."""
+    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+    return (-3.0 + 0.2 * jax.random.normal(kq, (q_len, d)), 9.0 + 0.2 * jax.random.normal(kk, (kv_len, d)),
+            jax.random.normal(kv, (kv_len, d)))
+
+
+_FAR_BELOW_ZERO = "every score far below zero (q near -3, k near 9: scores about -150)"
+_M_STARTS_AT_ZERO = ("the running max m starts at 0, not -inf: when every score of a row is far below zero (here about "
+                     "-150), exp(s - m) underflows to 0 for every key, so l stays 0 and the row comes out 0 (or NaN); "
+                     "start m at -inf (jnp.full(..., -jnp.inf)), so the first block's maximum replaces it")
+
+
+def _zeros_suspect(q) -> tuple[np.ndarray, str]:
+    """What a running max started at 0 computes when every score is far below zero: all zeros."""
+    return np.zeros(q.shape), _M_STARTS_AT_ZERO
+
+
 _RESCALE = ("check the online update: at every key block, multiply l and acc by alpha = exp(m_old - m_new) "
             "before adding the block's p, and divide acc by l once after the last block")
 _ONE_HEAD = "check that the blocks cover every key exactly once (k[lo:lo + block_k] for lo in range(0, kv_len, " \
@@ -181,9 +200,16 @@ def check_flash_attention_head(head: Callable[..., Any]) -> None:
                otherwise=functools.partial(_causal_hint, q=q, k=k, v=v) if causal else _RESCALE,
                nan_hint=empty if causal and q_len > kv_len else "a tile whose keys are all masked has m = -inf "
                "for a row that has seen no key yet: exponentiate against m_safe, not m")
+    for causal in (False, True):  # 40 queries, 75 keys in blocks of 16 and 32: padded keys, a causal offset
+        q, k, v = _far_below_zero_qkv(len(_HEAD_CASES) + causal, 40, 75)
+        out = jax.jit(functools.partial(head, causal=causal, block_q=16, block_k=32))(q, k, v)
+        _judge(out, q, k, v, causal=causal, where=f"flash_attention_head, case '{_FAR_BELOW_ZERO}, "
+               f"{'causal' if causal else 'no mask'}'", suspects=[_zeros_suspect(q)], otherwise=_RESCALE,
+               nan_hint=_M_STARTS_AT_ZERO)
     _check_scratch(head)
-    print(f"passed: flash_attention_head matches the float64 oracle in all {len(_HEAD_CASES)} cases (padding, causal "
-          "both ways, rows that see no key), under jax.jit; its program and its scratch do not grow with N")
+    print(f"passed: flash_attention_head matches the float64 oracle in all {len(_HEAD_CASES) + 2} cases (padding, "
+          "causal both ways, rows that see no key, scores far below zero), under jax.jit; its program and its "
+          "scratch do not grow with N")
 
 
 def _check_program_size(head: Callable[..., Any]) -> None:
@@ -302,8 +328,11 @@ def check_one_head(fn: Callable[..., Any], blocks_k: Sequence[int] = (25, 32, 10
                suspects=_one_head_suspects(q, k, v, block_k),
                nan_hint="if no key block was visited, l is still 0: with block_k > kv_len (or a partial last "
                "block) the loop must still visit the shorter block, range(0, kv_len, block_k)")
+    q, k, v = _far_below_zero_qkv(6, 50, 75)
+    _judge(fn(q, k, v, blocks_k[1]), q, k, v, causal=False, nan_hint=_M_STARTS_AT_ZERO, otherwise=_ONE_HEAD,
+           where=f"exercise 1, case '{_FAR_BELOW_ZERO}, block_k = {blocks_k[1]}'", suspects=[_zeros_suspect(q)])
     print(f"passed: exercise 1, one head matches the float64 oracle for block_k = {', '.join(map(str, blocks_k))} "
-          "(divides kv_len = 75, does not, is larger)")
+          "(divides kv_len = 75, does not, is larger) and with every score far below zero")
 
 
 # -- exercise 2: the log-sum-exp -----------------------------------------------------------------------------
@@ -311,35 +340,44 @@ def check_one_head(fn: Callable[..., Any], blocks_k: Sequence[int] = (25, 32, 10
 
 def check_lse(fn: Callable[..., Any], blocks_k: Sequence[int] = (32, 100)) -> None:
     """``fn(q, k, v, block_k) -> (out, lse)``: ``out`` as in exercise 1, ``lse [q_len]`` within 2e-5 of
-    :func:`flashlib.reference.logsumexp_oracle`."""
+    :func:`flashlib.reference.logsumexp_oracle` (and 8 float32 steps more where every score is far below zero,
+    ``lse`` near -150)."""
     q, k, v = _qkv(5, 50, 75)
-    want = np.asarray(reference.logsumexp_oracle(q[None, None], k[None, None]))[0, 0]
-    s = np.asarray(q, np.float64) @ np.asarray(k, np.float64).T * reference.default_scale(q.shape[1])
-    m, log_l = s.max(axis=1), np.log(np.exp(s - s.max(axis=1, keepdims=True)).sum(axis=1))
     _check_blockwise(lambda *args: fn(*args)[0], q, k, v, blocks_k[0], f"exercise 2, case 'block_k = {blocks_k[0]}'")
-    for block_k in blocks_k:
-        where = f"exercise 2, case 'block_k = {block_k}'"
+    cases = [((q, k, v), block_k, f"exercise 2, case 'block_k = {block_k}'") for block_k in blocks_k]
+    cases.append((_far_below_zero_qkv(7, 50, 75), blocks_k[0], f"exercise 2, case '{_FAR_BELOW_ZERO}, block_k = "
+                  f"{blocks_k[0]}'"))
+    for (q, k, v), block_k, where in cases:
+        want = np.asarray(reference.logsumexp_oracle(q[None, None], k[None, None]))[0, 0]
+        s = np.asarray(q, np.float64) @ np.asarray(k, np.float64).T * reference.default_scale(q.shape[1])
+        m, log_l = s.max(axis=1), np.log(np.exp(s - s.max(axis=1, keepdims=True)).sum(axis=1))
         answer = fn(q, k, v, block_k)
         if not isinstance(answer, (tuple, list)) or len(answer) != 2:
             raise CheckFailed(f"failed: {where} — return a pair (out, lse), got {type(answer).__name__}")
         out, lse = answer
         if np.shape(out) == want.shape and np.shape(lse) == q.shape:
             raise CheckFailed(f"failed: {where} — the pair is the wrong way round: return (out, lse), out first")
-        _judge(out, q, k, v, causal=False, where=where, suspects=_one_head_suspects(q, k, v, block_k),
-               otherwise=_ONE_HEAD, nan_hint=_RESCALE)
+        far = where.endswith(f"{_FAR_BELOW_ZERO}, block_k = {blocks_k[0]}'")
+        _judge(out, q, k, v, causal=False, where=where, otherwise=_ONE_HEAD,
+               suspects=[_zeros_suspect(q)] if far else _one_head_suspects(q, k, v, block_k),
+               nan_hint=_M_STARTS_AT_ZERO if far else _RESCALE)
         lse = np.asarray(lse, np.float64)
         if lse.shape != want.shape:
             raise CheckFailed(f"failed: {where} — lse has shape {lse.shape}, expected ({q.shape[0]},): one number per "
                               "query row")
-        if not np.allclose(lse, want, rtol=0.0, atol=2e-5):
+        atol = 2e-5 + (8 * np.spacing(np.abs(want).astype(np.float32)).astype(np.float64) if far else 0.0)
+        if not np.all(np.abs(lse - want) <= atol):
+            if far and not np.isfinite(lse).all():
+                raise CheckFailed(f"failed: {where} — lse is not finite: {_M_STARTS_AT_ZERO}")
             for wrong, mistake in ((m, "lse equals the row maximum m: add log(l), lse = m + log(l)"),
                                    (log_l, "lse equals log(l) alone: l is the sum relative to m, so lse = m + log(l)")):
                 if np.allclose(lse, wrong, atol=1e-4):
                     raise CheckFailed(f"failed: {where} — {mistake}")
-            worst = int(np.argmax(np.abs(lse - want)))
+            worst = int(np.argmax(np.where(np.isfinite(lse), np.abs(lse - want), np.inf)))
             raise CheckFailed(f"failed: {where} — lse[{worst}] = {lse[worst]:.6g}, expected {want[worst]:.6g}: use the "
                               "final m and l, lse = m + log(l)")
-    print(f"passed: exercise 2, out and lse match the float64 oracle for block_k = {', '.join(map(str, blocks_k))}")
+    print(f"passed: exercise 2, out and lse match the float64 oracle for block_k = {', '.join(map(str, blocks_k))} "
+          "and with every score far below zero")
 
 
 # -- exercise 3: predict how scratch memory scales -----------------------------------------------------------
