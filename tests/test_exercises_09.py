@@ -111,9 +111,51 @@ def test_block_kind_wrong_answers_fail_with_their_hint(wrong, message):
         nb09.check_block_kind(wrong)
 
 
+def _non_strict(*which: int):
+    """The solution with some of its four strict comparisons (skip right, skip left, mask right, mask left)
+    made non-strict: each skips or masks a block whose edge key is visible (issue 25: each passed 8 grids)."""
+    def block_kind(q_block, kv_block, *, block_q, block_k, q_len, kv_len, causal, window):
+        left, right = (None, None) if window is None else window
+        if causal:
+            right = 0 if right is None else min(right, 0)
+        offset = kv_len - q_len
+        first_row, last_row = q_block * block_q, (q_block + 1) * block_q - 1
+        first_key, last_key = kv_block * block_k, (kv_block + 1) * block_k - 1
+
+        def beyond(a, b, n):  # a > b, or a >= b where comparison n is made non-strict
+            return a >= b if n in which else a > b
+
+        if right is not None and beyond(first_key, last_row + offset + right, 0):
+            return "skip"
+        if left is not None and beyond(first_row + offset - left, last_key, 1):
+            return "skip"
+        if last_key >= kv_len:
+            return "mask"
+        if right is not None and beyond(last_key, first_row + offset + right, 2):
+            return "mask"
+        if left is not None and beyond(last_row + offset - left, first_key, 3):
+            return "mask"
+        return "plain"
+    return block_kind
+
+
+@pytest.mark.parametrize("which, message", [
+    ((0,), r"window \(4, 1\).* — skip only when no row of the block sees any key"),
+    ((1,), r"window \(1, 4\).* block \(1, 0\): expected 'mask', got 'skip'; key 3 is row 4's first visible key, "
+           r"exactly on the band's edge: .* compare strictly"),
+    ((2,), r"window \(3, 3\).* block \(0, 0\): expected 'plain', got 'mask'; key 3 is row 0's last visible key"),
+    ((3,), r"window \(3, 3\).* block \(0, 0\): expected 'plain', got 'mask'; .*key 0 is row 3's first visible key"),
+    ((0, 1, 2, 3), r"window \(4, 1\)"),
+], ids=["skip right", "skip left", "mask right", "mask left", "all four"])
+def test_block_kind_with_a_non_strict_edge_fails(which, message):
+    with pytest.raises(CheckFailed, match=message):
+        nb09.check_block_kind(_non_strict(*which))
+
+
 def test_block_kind_solution_and_an_element_wise_rewrite_pass(capsys):
+    nb09.check_block_kind(_non_strict())  # all four strict: the solution, rewritten
     nb09.check_block_kind(nb09.block_kind_solution)
-    assert capsys.readouterr().out.startswith("passed: block_kind agrees with flashlib.geometry on all 8 grids")
+    assert capsys.readouterr().out.startswith("passed: block_kind agrees with flashlib.geometry on all 11 grids")
     nb09.check_block_kind(_block_kind())
 
 

@@ -135,7 +135,33 @@ _BLOCK_CASES = [  # (words, q_len, kv_len, block_q, block_k, causal, window)
     ("window (16, None) with causal, 32 queries over 64 keys, blocks 16 x 8", 32, 64, 16, 8, True, (16, None)),
     ("window (7, 0), 30 queries over 37 keys (padded last blocks), blocks 8 x 8", 30, 37, 8, 8, True, (7, 0)),
     ("no mask, 20 x 20 with blocks 8 x 8 (padding only)", 20, 20, 8, 8, False, None),
+    # Edges that fall exactly on a block's first or last key: each of the solution's four comparisons is tight
+    ("window (4, 1), 8 x 8, blocks 4 x 4 (block (0, 1)'s first key is the last row's last visible key)",
+     8, 8, 4, 4, False, (4, 1)),
+    ("window (1, 4), 16 x 16, blocks 4 x 4 (block (1, 0)'s last key is the first row's first visible key)",
+     16, 16, 4, 4, False, (1, 4)),
+    ("window (3, 3), 16 x 16, blocks 4 x 4 (block (0, 0)'s corner keys lie exactly on the band's edges)",
+     16, 16, 4, 4, False, (3, 3)),
 ]
+
+
+def _edge_hint(i, j, q_len, kv_len, block_q, block_k, causal, window) -> str:
+    """Where block ``(i, j)`` has a key exactly on the band's edge: that key is visible, so say so."""
+    left, right = geometry.band(causal, window)
+    offset, first_row, last_row = kv_len - q_len, i * block_q, (i + 1) * block_q - 1
+    first_key, last_key = j * block_k, (j + 1) * block_k - 1
+    edges = []
+    if right is not None:
+        edges += [(first_key, last_row, last_row + offset + right, "last visible"),
+                  (last_key, first_row, first_row + offset + right, "last visible")]
+    if left is not None:
+        edges += [(last_key, first_row, first_row + offset - left, "first visible"),
+                  (first_key, last_row, last_row + offset - left, "first visible")]
+    tight = [f"key {key} is row {row}'s {which} key" for key, row, edge, which in edges if key == edge]
+    if not tight:
+        return ""
+    return (f"; {' and '.join(tight)}, exactly on the band's edge: a key on the edge is seen, so compare "
+            "strictly (> and <, not >= and <=)")
 
 
 def _kinds(rule: Callable, q_len, kv_len, block_q, block_k, causal, window) -> np.ndarray:
@@ -202,7 +228,7 @@ def check_block_kind(block_kind: Callable) -> None:
                 raise CheckFailed(f"failed: block_kind, case '{words}' — {hint}")
         i, j = (int(x) for x in np.argwhere(got != want)[0])
         raise CheckFailed(f"failed: block_kind, case '{words}' — block ({i}, {j}): expected {want[i, j]!r}, "
-                          f"got {got[i, j]!r}")
+                          f"got {got[i, j]!r}{_edge_hint(i, j, *case)}")
     print(f"passed: block_kind agrees with flashlib.geometry on all {len(_BLOCK_CASES)} grids "
           f"({sum(_kinds(_library_kind, *c[1:]).size for c in _BLOCK_CASES)} blocks)")
 
