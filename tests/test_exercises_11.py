@@ -4,6 +4,8 @@ solution (it passes)."""
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 import pytest
 
@@ -55,6 +57,16 @@ def ring_step_nan(out, lse, q, k, v, scale):  # log(exp(lse) + exp(lse_c)) by ha
     return jnp.exp(lse - new)[:, None] * out + jnp.exp(lse_c - new)[:, None] * out_c, new
 
 
+def ring_step_unstable(out, lse, q, k, v, scale, *, chunk=True, merge=True):
+    """The issue's unstable ring step: the chunk's log-sum-exp without the max (``chunk``), the merge as
+    ``log(exp(lse) + exp(lse_chunk))`` (``merge``); right for small scores, inf/NaN past ~88 in float32."""
+    s = (q @ k.T) * scale
+    lse_c = jnp.log(jnp.exp(s).sum(-1)) if chunk else _chunk(q, k, v, scale)[1]
+    out_c = jnp.exp(s - lse_c[:, None]) @ v
+    new = jnp.log(jnp.exp(lse) + jnp.exp(lse_c)) if merge else jnp.logaddexp(lse, lse_c)
+    return jnp.exp(lse - new)[:, None] * out + jnp.exp(lse_c - new)[:, None] * out_c, new
+
+
 def test_ring_step_stub_is_not_attempted(capsys):
     nb11.RING_STEP.use(_stub)
     assert "not attempted yet" in capsys.readouterr().out
@@ -66,7 +78,12 @@ def test_ring_step_stub_is_not_attempted(capsys):
     (ring_step_max_score, "not the maximum score"),
     (ring_step_unnormalised, "out must be normalised"),
     (ring_step_nan, "NaN in the result"),
-])
+    (ring_step_unstable, r"case 'two chunks with large scores \(up to \d+; .*' — the first chunk alone .*subtract the "
+                         r"row max before exp"),
+    (functools.partial(ring_step_unstable, merge=False), r"the first chunk alone already goes wrong"),
+    (functools.partial(ring_step_unstable, chunk=False), r"case 'two chunks with large scores .*' — the first chunk "
+                                                         r"alone .*jnp.logaddexp, never log\(exp\(lse\)"),
+], ids=["adds outputs", "max lse", "max score", "unnormalised", "nan", "unstable", "unstable chunk", "unstable merge"])
 def test_ring_step_wrong_answers_fail_with_their_mistake(wrong, message):
     with pytest.raises(CheckFailed, match=message):
         nb11.check_ring_step(wrong)

@@ -96,6 +96,7 @@ def check_ring_step(ring_step: Callable) -> None:
         if not np.allclose(out, oracle(both_k, both_v), atol=1e-4):
             raise _fail(case, "out is not attention over both chunks: each side is normalised over its own keys, "
                         "so weigh it by its share of the new denominator, exp(lse_side - lse_new), then add")
+    _check_large_scores(ring_step, q, (k_high * 15.0, v_high), (k_low * 40.0, v_low), scale, oracle, lse_oracle)
     seq = 32
     q_seq, k_seq, v_seq = (jnp.asarray(rng.normal(size=(seq, d)), jnp.float32) for _ in range(3))
     got = run_ring(ring_step, q_seq, k_seq, v_seq, devices=4)
@@ -103,7 +104,32 @@ def check_ring_step(ring_step: Callable) -> None:
     if not np.allclose(got, want, atol=1e-4):
         raise _fail("a 4-device ring over 32 tokens", f"max error {np.max(np.abs(got - want)):.3g} against the "
                     "oracle")
-    print("passed: ring_step merges chunks in either order, from the empty state, and runs a 4-device ring exactly")
+    print("passed: ring_step merges chunks in either order, from the empty state, with scores too large for exp, and "
+          "runs a 4-device ring exactly")
+
+
+def _check_large_scores(ring_step: Callable, q, first, second, scale: float, oracle, lse_oracle) -> None:
+    """Two chunks whose scores reach about +-150, where ``exp`` of a score, or of a log-sum-exp, overflows float32
+    (beyond ~88): only the max-subtracted log-sum-exp and ``jnp.logaddexp`` survive."""
+    (k1, v1), (k2, v2) = first, second
+    both_k, both_v = jnp.concatenate([k1, k2]), jnp.concatenate([v1, v2])
+    top = float(np.max(np.abs(np.asarray(q, np.float64) @ np.asarray(both_k, np.float64).T * scale)))
+    case = f"two chunks with large scores (up to {top:.0f}; exp overflows float32 beyond 88)"
+    overflow = ("exp of a score or of a log-sum-exp this large is inf in float32: subtract the row max before exp "
+                "(lse_chunk = m + log(sum(exp(s - m)))), and merge the two log-sum-exps with jnp.logaddexp, never "
+                "log(exp(lse) + exp(lse_chunk))")
+    alone = [np.asarray(x, np.float64) for x in ring_step(jnp.zeros((q.shape[0], v1.shape[1]), jnp.float32),
+                                                          jnp.full(q.shape[0], -jnp.inf, jnp.float32), q, k1, v1,
+                                                          scale)]
+    if not all(np.isfinite(x).all() for x in alone) or not np.allclose(alone[1], lse_oracle(k1), rtol=1e-5, atol=1e-4):
+        raise _fail(case, f"the first chunk alone already goes wrong: {overflow}")
+    state = ring_step(*(jnp.asarray(x, jnp.float32) for x in alone), q, k2, v2, scale)
+    out, lse = (np.asarray(x, np.float64) for x in state)
+    if not (np.isfinite(out).all() and np.isfinite(lse).all()):
+        raise _fail(case, f"inf or NaN after the merge: {overflow}")
+    if not (np.allclose(lse, lse_oracle(both_k), rtol=1e-5, atol=1e-4) and np.allclose(out, oracle(both_k, both_v),
+                                                                                        atol=1e-4)):
+        raise _fail(case, f"max error {np.max(np.abs(out - oracle(both_k, both_v))):.3g} in out: {overflow}")
 
 
 RING_STEP = Puzzle("puzzle: one ring step", check_ring_step, ring_step_solution, (
