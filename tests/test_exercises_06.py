@@ -28,13 +28,17 @@ def _init(m_ref, l_ref, acc_ref, m0=-jnp.inf):
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
 
-def _fold(s, v_ref, m_ref, l_ref, acc_ref, *, rescale=True, running=True):
+def _fold(s, v_ref, m_ref, l_ref, acc_ref, *, rescale=True, running=True, cast=True):
     m_prev = m_ref[...]  # running=False: this block's max alone (exact in exact arithmetic, overflows in f32)
     m_next = jnp.maximum(m_prev, s.max(axis=1, keepdims=True)) if running else s.max(axis=1, keepdims=True)
     alpha, p = (jnp.exp(m_prev - m_next) if rescale else 1.0), jnp.exp(s - m_next)
     m_ref[...] = m_next
     l_ref[...] = alpha * l_ref[...] + p.sum(axis=1, keepdims=True)
-    acc_ref[...] = alpha * acc_ref[...] + jnp.dot(p, v_ref[...].astype(jnp.float32))
+    if cast:  # p in v's dtype, as the spec asks: the MXU's full-rate bf16 matmul, f32 accumulation
+        pv = jnp.dot(p.astype(v_ref.dtype), v_ref[...], preferred_element_type=jnp.float32)
+    else:  # the issue's answer: p stays float32, so v is promoted and the matmul runs in float32
+        pv = jnp.dot(p, v_ref[...].astype(jnp.float32))
+    acc_ref[...] = alpha * acc_ref[...] + pv
 
 
 def _scores(q_ref, k_ref, scale):
@@ -42,7 +46,7 @@ def _scores(q_ref, k_ref, scale):
 
 
 def _kernel(*, init="first", rescale=True, finalize="last", divide=True, cap=None, m0=-jnp.inf, running=True,
-            fixed_cap=None):
+            fixed_cap=None, cast=True):
     """A forward kernel with one mistake switched on (the defaults make it right)."""
     def kernel(q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref, *, scale, **params):
         j, last = pl.program_id(3), pl.num_programs(3) - 1
@@ -65,7 +69,7 @@ def _kernel(*, init="first", rescale=True, finalize="last", divide=True, cap=Non
             s = fixed_cap * jnp.tanh(s / fixed_cap)
         elif cap == "clip":
             s = jnp.clip(s, -params["cap"], params["cap"])
-        _fold(s, v_ref, m_ref, l_ref, acc_ref, rescale=rescale, running=running)
+        _fold(s, v_ref, m_ref, l_ref, acc_ref, rescale=rescale, running=running, cast=cast)
 
         def write():
             o_ref[...] = ((acc_ref[...] / l_ref[...]) if divide else acc_ref[...]).astype(o_ref.dtype)
@@ -93,8 +97,10 @@ def test_forward_stub_falls_back_to_the_solution(capsys):
     (_kernel(init="where", finalize="every step"), "fewer than two pl.when"),
     (_kernel(m0=0.0), "case 'scores near \\+180.* all near -180: with m starting at 0.*start m at -inf"),
     (_kernel(running=False), "case 'scores near \\+180.* NaN in rows whose scores reach \\+180: .* RUNNING maximum"),
+    (_kernel(cast=False), "case '128 queries, 256 keys in bfloat16.* right numbers, but a matmul multiplies float32 x "
+                          "float32 operands though the inputs are bfloat16: cast p to v's dtype"),
 ], ids=["no init", "no rescale", "init every step", "finalize first", "no division", "no pl.when", "m starts at 0",
-        "block max, not running max"])
+        "block max, not running max", "p not cast"])
 def test_forward_wrong_answers_fail_with_their_hint(wrong, message):
     with pytest.raises(CheckFailed, match=message):
         nb06.check_forward_kernel(wrong)
@@ -103,6 +109,7 @@ def test_forward_wrong_answers_fail_with_their_hint(wrong, message):
 def test_forward_solution_passes(capsys):
     nb06.check_forward_kernel(nb06.flash_kernel_solution)
     assert capsys.readouterr().out.startswith("passed: forward kernel")
+    nb06.check_forward_kernel(_kernel())  # the right kernel, written another way
 
 
 # -- puzzle 2: causal skipping -------------------------------------------------------------------------------

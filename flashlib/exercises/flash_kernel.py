@@ -128,6 +128,29 @@ def _fits(out, q, k, v, causal: bool = False) -> bool:
 # -- puzzle 1: the forward kernel ---------------------------------------------------------------------------
 _NAN_STATE = ("NaN in the output: scratch starts as garbage (NaN under InterpretParams), so set m = -inf, l = 0, "
               "acc = 0 under pl.when(kv_block == 0) before the first fold, and write o_ref on the last key block")
+def _dot_operand_dtypes(jaxpr) -> list[tuple[str, ...]]:
+    """The operand dtypes of every ``dot_general`` in a jaxpr and the jaxprs inside it."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            found.append(tuple(jnp.dtype(var.aval.dtype).name for var in eqn.invars))
+        for param in eqn.params.values():
+            for inner in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(inner, "jaxpr", inner)
+                if hasattr(inner, "eqns"):
+                    found += _dot_operand_dtypes(inner)
+    return found
+
+
+def _float32_matmuls(kernel, q, k, v, **blocks) -> list[tuple[str, ...]]:
+    """The kernel's matmuls whose operands are not all in the inputs' dtype (bfloat16 inputs: float32 operands)."""
+    jaxpr = jax.make_jaxpr(lambda q, k, v: _call(kernel, q, k, v, **blocks))(q, k, v).jaxpr
+    (call,) = [eqn for eqn in jaxpr.eqns if eqn.primitive.name == "pallas_call"]
+    inner = call.params["jaxpr"]
+    dtype = jnp.dtype(q.dtype).name
+    return [dtypes for dtypes in _dot_operand_dtypes(getattr(inner, "jaxpr", inner)) if set(dtypes) != {dtype}]
+
+
 _FORWARD_CASES = [  # (words, q_len, kv_len, block_q, block_k, dtype)
     ("128 queries, 384 keys: three key blocks", 128, 384, 64, 128, jnp.float32),
     ("192 queries, 128 keys: one key block, init and finalize on the same step", 192, 128, 64, 128, jnp.float32),
@@ -167,6 +190,13 @@ def check_forward_kernel(kernel: Callable) -> None:
                     "failed: forward kernel — right numbers, but fewer than two pl.when in the kernel: a jnp.where "
                     "reset and a write of acc / l on every step pay on every step for work done once; put init "
                     "under pl.when(kv_block == 0) and finalize under pl.when(kv_block == last)")
+            if dtype == jnp.bfloat16 and (wide := _float32_matmuls(kernel, q, k, v, block_q=bq, block_k=bk)):
+                raise CheckFailed(
+                    f"failed: forward kernel, case '{case}' — right numbers, but a matmul multiplies "
+                    f"{' x '.join(wide[0])} operands though the inputs are bfloat16: cast p to v's dtype before "
+                    "p @ v, jnp.dot(p.astype(v_ref.dtype), v_ref[...], preferred_element_type=jnp.float32) (the "
+                    "MXU multiplies bfloat16 at full rate and float32 in several passes; the f32 accumulation "
+                    "keeps the sum exact enough)")
             continue
         s = _scores64(q, k)
         _diagnose("forward kernel", case, out, dtype, _NAN_STATE, [
