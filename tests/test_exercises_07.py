@@ -36,7 +36,8 @@ def probabilities_with(*, subtract_lse=True, mask=True, masked=MASK_VALUE, alway
     return probabilities
 
 
-def dkv_kernel_with(*, subtract_d=True, scale_dk=True, skip=True, zero=True, scale_dv=False, zero_at_first=False):
+def dkv_kernel_with(*, subtract_d=True, scale_dk=True, skip=True, zero=True, scale_dv=False, zero_at_first=False,
+                    write_every_step=False):
     def dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, d_ref, dk_ref, dv_ref, dk_acc, dv_acc, *, scale, causal,
                    offset):
         kv_block, q_block = pl.program_id(2), pl.program_id(3)
@@ -60,7 +61,7 @@ def dkv_kernel_with(*, subtract_d=True, scale_dk=True, skip=True, zero=True, sca
             dk_acc[...] += lax.dot_general(ds.astype(q_ref.dtype), q_ref[...], TN_DIMS,
                                            preferred_element_type=jnp.float32)
 
-        @pl.when(q_block == pl.num_programs(3) - 1)
+        @pl.when(True if write_every_step else q_block == pl.num_programs(3) - 1)  # the issue's: every step
         def finalize():
             dk_ref[...] = (dk_acc[...] * scale if scale_dk else dk_acc[...]).astype(dk_ref.dtype)
             dv_ref[...] = (dv_acc[...] * scale if scale_dv else dv_acc[...]).astype(dv_ref.dtype)
@@ -132,6 +133,8 @@ def test_dkv_stub_is_not_attempted(capsys):
                                                        "has no scale"),
     ((DKV[0], DKV[1], dkv_kernel_with(skip=False)), r"case 'causal, q_len = kv_len.* dk has NaN: the body ran on a "
                                                     "step the causal mask hides"),
+    ((DKV[0], DKV[1], dkv_kernel_with(write_every_step=True)), r"case 'non-causal.* dk_ref or dv_ref is stored into "
+                                                               r"on 1 query step\(s\) before the last: .*wasted"),
 ])
 def test_dkv_wrong_answers_fail_with_their_hint(wrong, message):
     with pytest.raises(CheckFailed, match=message):

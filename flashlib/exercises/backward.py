@@ -83,8 +83,12 @@ def _run(kernel, case: _Case, inputs, *, dkv: bool):
         stream = lambda b, h, j, i: (b, h, jnp.where(visits(i, j), i, num_q), 0)  # noqa: E731
         stay = lambda b, h, j, i: (b, h, j, 0)  # noqa: E731
         grid, q_map, kv_map = (1, 1, num_kv, num_q), stream, stay
-        out_specs, out_shape = [_spec(bk, hd, stay)] * 2, [jax.ShapeDtypeStruct(k.shape, k.dtype)] * 2
+        # dK, dV, and per key block the count of steps before the last query block that stored into them
+        out_specs = [_spec(bk, hd, stay)] * 2 + [pl.BlockSpec((8, 128), lambda b, h, j, i: (j, 0))]
+        out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype)] * 2 + [jax.ShapeDtypeStruct((8 * num_kv, 128),
+                                                                                         jnp.int32)]
         scratch = [pltpu.VMEM((bk, hd), jnp.float32)] * 2
+        kernel = _counting_early_stores(kernel)
     else:  # grid (b, h, query block i, key block j); the stream is the key side
         k, v = (_with_nan_block(x, bk) for x in (k, v))
         stream = lambda b, h, i, j: (b, h, jnp.where(visits(i, j) | (j <= last(i)), j, num_kv), 0)  # noqa: E731
@@ -98,6 +102,29 @@ def _run(kernel, case: _Case, inputs, *, dkv: bool):
         in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec], out_specs=out_specs, out_shape=out_shape,
         scratch_shapes=scratch, interpret=pltpu.InterpretParams(),
     )(q, k, v, do, lse, d)
+
+
+def _bits(ref):
+    """A ref's contents as integers of the same width (NaN compares equal to itself, bit for bit)."""
+    x = ref[...]
+    return jax.lax.bitcast_convert_type(x, {4: jnp.int32, 2: jnp.int16}[jnp.dtype(x.dtype).itemsize])
+
+
+def _counting_early_stores(kernel):
+    """``kernel`` with a third output: how many query steps before the last stored into dk_ref or dv_ref (a
+    store that a later step overwrites is wasted: they are written once, at the last query block)."""
+    def spy(q_ref, k_ref, v_ref, do_ref, lse_ref, d_ref, dk_ref, dv_ref, early_ref, dk_acc, dv_acc, **params):
+        q_block = pl.program_id(3)
+
+        @pl.when(q_block == 0)
+        def _():
+            early_ref[...] = jnp.zeros(early_ref.shape, jnp.int32)
+
+        before = (_bits(dk_ref), _bits(dv_ref))
+        kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, d_ref, dk_ref, dv_ref, dk_acc, dv_acc, **params)
+        stored = jnp.any(_bits(dk_ref) != before[0]) | jnp.any(_bits(dv_ref) != before[1])
+        early_ref[...] += jnp.where(stored & (q_block < pl.num_programs(3) - 1), 1, 0)
+    return spy
 
 
 def _close(got, want) -> bool:
@@ -183,6 +210,8 @@ def _check_kernel(kernel, dkv: bool) -> None:
     for seed, case in enumerate(_CASES):
         inputs, (dq, dk, dv) = _problem(case, seed)
         got = _run(kernel, case, inputs, dkv=dkv)
+        early = int(np.asarray(got[2]).max()) if dkv else 0
+        got = got[:2] if dkv else got
         pairs = (("dk", got[0], dk), ("dv", got[1], dv)) if dkv else (("dq", got, dq),)
         for label, mine, want in pairs if case.dtype == jnp.float32 else ():  # bfloat16: the rule alone
             if np.shape(mine) != want.shape or not _close(mine, want):
@@ -195,6 +224,11 @@ def _check_kernel(kernel, dkv: bool) -> None:
         except CheckFailed as failure:
             raise CheckFailed(f"failed: {what}, case '{case.name}' — {failure}; cast P and dS to the inputs' dtype "
                               "before their matmuls, accumulate in float32, write in the outputs' dtype") from None
+        if early:
+            raise CheckFailed(f"failed: {what}, case '{case.name}' — dk_ref or dv_ref is stored into on {early} query "
+                              "step(s) before the last: the right numbers, but wasted stores (each is overwritten by "
+                              "the next); accumulate in dk_acc and dv_acc and write dk_ref, dv_ref once, under "
+                              "pl.when(q_block == pl.num_programs(3) - 1)")
 
 
 def check_dkv_kernel(answer) -> None:
