@@ -67,7 +67,8 @@ def head_with(mistake, q, k, v, *, causal=False, block_q=128, block_k=128):
                 state, _ = kv_step(state, (j, kb[j], vb[j]))
             m, l, acc = state  # noqa: E741
         else:
-            (m, l, acc), _ = jax.lax.scan(kv_step, init, (jnp.arange(len(kb)), kb, vb))
+            n = len(kb) - (mistake == "last key block dropped" and len(kb) > 1)  # e.g. kv_len // block_k blocks
+            (m, l, acc), _ = jax.lax.scan(kv_step, init, (jnp.arange(n), kb[:n], vb[:n]))
         if mistake == "no division":
             return acc
         return acc / jnp.where(l == 0.0, 1.0, l)[:, None]
@@ -105,6 +106,8 @@ def test_head_stub_falls_back_to_the_solution(capsys):
     ("section 1's BLOCK", r"block sizes — called with block_q=32, block_k=16 it computes no \[32, 16\] tile"),
     ("kv_pos <= kv_len", r"kv_len = 75 does not divide.* — the first padded key \(position kv_len\) is visible"),
     ("m starts at 0", r"case 'every score far below zero .*, no mask' — the running max m starts at 0, not -inf"),
+    ("last key block dropped", r"case 'lengths that divide the blocks, no mask' — the last key block \(keys 96..127\) "
+                               r"is missing: scan over all -\(-kv_len // block_k\) = 4 key blocks"),
 ])
 def test_head_wrong_answers_fail_with_their_hint(mistake, message):
     with pytest.raises(CheckFailed, match=message):

@@ -156,8 +156,14 @@ _HEAD_CASES = [  # (case in words, q_len, kv_len, causal, block_q, block_k)
 
 def _head_suspects(q, k, v, causal: bool, block_q: int, block_k: int) -> list[tuple[np.ndarray, str]]:
     q_len, kv_len = q.shape[0], k.shape[0]
+    bk = min(block_k, kv_len)
+    whole = (-(-kv_len // bk) - 1) * bk  # the keys before the last (possibly padded) key block
     suspects = [(_attend64(q, k, v, _visible(q_len, kv_len, causal), divide=False),
                  "the output is not normalised: divide acc by l once, after the last key block"),
+                *([(_attend64(q, k, v, _visible(q_len, kv_len, causal) & (np.arange(kv_len)[None, :] < whole)),
+                    f"the last key block (keys {whole}..{kv_len - 1}) is missing: scan over all "
+                    f"-(-kv_len // block_k) = {-(-kv_len // bk)} key blocks, the last one padded to a whole block")]
+                  if whole else []),
                 *_scale_suspects(q, k, v, _visible(q_len, kv_len, causal))]
     if causal:
         suspects.append((_attend64(q, k, v, _visible(q_len, kv_len, True, strict=True)), "query i must also see "
