@@ -28,10 +28,10 @@ def _init(m_ref, l_ref, acc_ref, m0=-jnp.inf):
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
 
-def _fold(s, v_ref, m_ref, l_ref, acc_ref, *, rescale=True, running=True, cast=True):
+def _fold(s, v_ref, m_ref, l_ref, acc_ref, *, rescale=True, running=True, cast=True, alpha_sign=1):
     m_prev = m_ref[...]  # running=False: this block's max alone (exact in exact arithmetic, overflows in f32)
     m_next = jnp.maximum(m_prev, s.max(axis=1, keepdims=True)) if running else s.max(axis=1, keepdims=True)
-    alpha, p = (jnp.exp(m_prev - m_next) if rescale else 1.0), jnp.exp(s - m_next)
+    alpha, p = (jnp.exp(alpha_sign * (m_prev - m_next)) if rescale else 1.0), jnp.exp(s - m_next)
     m_ref[...] = m_next
     l_ref[...] = alpha * l_ref[...] + p.sum(axis=1, keepdims=True)
     if cast:  # p in v's dtype, as the spec asks: the MXU's full-rate bf16 matmul, f32 accumulation
@@ -46,7 +46,7 @@ def _scores(q_ref, k_ref, scale):
 
 
 def _kernel(*, init="first", rescale=True, finalize="last", divide=True, cap=None, m0=-jnp.inf, running=True,
-            fixed_cap=None, cast=True):
+            fixed_cap=None, cast=True, alpha_sign=1):
     """A forward kernel with one mistake switched on (the defaults make it right)."""
     def kernel(q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref, *, scale, **params):
         j, last = pl.program_id(3), pl.num_programs(3) - 1
@@ -69,7 +69,7 @@ def _kernel(*, init="first", rescale=True, finalize="last", divide=True, cap=Non
             s = fixed_cap * jnp.tanh(s / fixed_cap)
         elif cap == "clip":
             s = jnp.clip(s, -params["cap"], params["cap"])
-        _fold(s, v_ref, m_ref, l_ref, acc_ref, rescale=rescale, running=running, cast=cast)
+        _fold(s, v_ref, m_ref, l_ref, acc_ref, rescale=rescale, running=running, cast=cast, alpha_sign=alpha_sign)
 
         def write():
             o_ref[...] = ((acc_ref[...] / l_ref[...]) if divide else acc_ref[...]).astype(o_ref.dtype)
@@ -99,8 +99,9 @@ def test_forward_stub_falls_back_to_the_solution(capsys):
     (_kernel(running=False), "case 'scores near \\+180.* NaN in rows whose scores reach \\+180: .* RUNNING maximum"),
     (_kernel(cast=False), "case '128 queries, 256 keys in bfloat16.* right numbers, but a matmul multiplies float32 x "
                           "float32 operands though the inputs are bfloat16: cast p to v's dtype"),
+    (_kernel(alpha_sign=-1), r"NaN in the output: .*alpha = exp\(m_prev - m_next\) .*not exp\(m_next - m_prev\)"),
 ], ids=["no init", "no rescale", "init every step", "finalize first", "no division", "no pl.when", "m starts at 0",
-        "block max, not running max", "p not cast"])
+        "block max, not running max", "p not cast", "alpha's sign flipped"])
 def test_forward_wrong_answers_fail_with_their_hint(wrong, message):
     with pytest.raises(CheckFailed, match=message):
         nb06.check_forward_kernel(wrong)

@@ -127,7 +127,11 @@ def _fits(out, q, k, v, causal: bool = False) -> bool:
 
 # -- puzzle 1: the forward kernel ---------------------------------------------------------------------------
 _NAN_STATE = ("NaN in the output: scratch starts as garbage (NaN under InterpretParams), so set m = -inf, l = 0, "
-              "acc = 0 under pl.when(kv_block == 0) before the first fold, and write o_ref on the last key block")
+              "acc = 0 under pl.when(kv_block == 0) before the first fold, and write o_ref on the last key block; "
+              "and rescale by alpha = exp(m_prev - m_next) (at most 1, and 0 from the empty state), not "
+              "exp(m_next - m_prev), which is inf on the first block")
+
+
 def _dot_operand_dtypes(jaxpr) -> list[tuple[str, ...]]:
     """The operand dtypes of every ``dot_general`` in a jaxpr and the jaxprs inside it."""
     found = []
