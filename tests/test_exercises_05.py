@@ -131,11 +131,11 @@ def kernel_finalizing_first(x_ref, y_ref, o_ref, acc_ref):  # writes the output 
     acc_ref[...] += jnp.dot(x_ref[...], y_ref[...], preferred_element_type=jnp.float32)
 
 
-def _kernel(k_axis=2, last=lambda k, n: k == n - 1, f32=True):
+def _kernel(k_axis=2, last=lambda k, n: k == n - 1, f32=True, init_axis=None):
     def kernel(x_ref, y_ref, o_ref, acc_ref):
         k, n = pl.program_id(k_axis), pl.num_programs(k_axis)
 
-        @pl.when(k == 0)
+        @pl.when((k if init_axis is None else pl.program_id(init_axis)) == 0)
         def _():
             acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
@@ -192,7 +192,9 @@ def test_tiled_matmul_stub_falls_back_to_the_solution(capsys):
 @pytest.mark.parametrize("kernel, message", [
     (kernel_without_init, "NaN in the output: TPU interpret mode fills fresh scratch with NaN"),
     (kernel_writing_every_step, r"o_ref is stored into on 2 k step\(s\) before the last"),
-    (kernel_overwriting, "only the last k step's product reached the output"),
+    (kernel_overwriting, "only the last k step's product reached the output: either acc_ref is overwritten"),
+    (_kernel(init_axis=0), r"only the last k step's product reached the output: .* or init runs on every k step — "
+                           r"zero it under pl.when\(pl.program_id\(2\) == 0\)"),
     (kernel_finalizing_first, "the last k step's product is missing"),
     (_kernel(last=lambda k, n: k == n), r"o_ref is never written \(NaN\), though acc_ref holds a sum: finalize must"),
     # the notebook's grid (2, 2, 3) has its last k at 2

@@ -9,6 +9,9 @@ Every attention output is judged by :func:`flashlib.checks.check_attention` (2x 
 it fails, the output is compared with what each usual mistake computes (top-left causal mask, padded keys left
 visible, no final division, a dropped last block, a wrong scale...) and a wrong causal output names its first wrong
 row, so the message names the mistake, not just the error.
+
+Longer than 400 lines because the puzzle and the three exercises share one judge: the float64 oracle, the inputs
+(random, and with every score far below zero), and what each usual mistake computes.
 """
 
 from __future__ import annotations

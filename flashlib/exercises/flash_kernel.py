@@ -5,7 +5,11 @@
 Grid ``(batch, heads, q_block, kv_block)``, ``m``/``l`` ``[block_q, 1]`` and ``acc`` f32 VMEM scratch, lengths
 multiples of the blocks; causal is bottom-right (query ``i`` sees key ``j <= i + offset``, ``offset = kv_len -
 q_len >= 0``). The checkers run the kernels under ``pltpu.InterpretParams()`` (NaN scratch, out-of-bounds blocks
-raise) and hand every step the causal mask skips a block of NaN, so a body that runs there shows."""
+raise) and hand every step the causal mask skips a block of NaN, so a body that runs there shows.
+
+Longer than 400 lines because every checker here runs the learner's kernel through one harness (the notebook's
+grid, NaN blocks where causal skips, the jaxpr probes for pl.when and matmul dtypes) and judges it against one set
+of float64 suspects; split apart, each half would import the other's helpers."""
 
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ from flashlib.exercises.flash_kernel_solutions import (
     flash_kernel_solution,
 )
 from flashlib.exercises.puzzle import Puzzle
+from flashlib.exercises.start_here import traced_eqns
 from flashlib.kernels import BlockSizes
 from flashlib.kernels.block_sizes import MIB, vmem_limit_bytes
 
@@ -132,27 +137,14 @@ _NAN_STATE = ("NaN in the output: scratch starts as garbage (NaN under Interpret
               "exp(m_next - m_prev), which is inf on the first block")
 
 
-def _dot_operand_dtypes(jaxpr) -> list[tuple[str, ...]]:
-    """The operand dtypes of every ``dot_general`` in a jaxpr and the jaxprs inside it."""
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            found.append(tuple(jnp.dtype(var.aval.dtype).name for var in eqn.invars))
-        for param in eqn.params.values():
-            for inner in param if isinstance(param, (tuple, list)) else (param,):
-                inner = getattr(inner, "jaxpr", inner)
-                if hasattr(inner, "eqns"):
-                    found += _dot_operand_dtypes(inner)
-    return found
-
-
 def _float32_matmuls(kernel, q, k, v, **blocks) -> list[tuple[str, ...]]:
     """The kernel's matmuls whose operands are not all in the inputs' dtype (bfloat16 inputs: float32 operands)."""
     jaxpr = jax.make_jaxpr(lambda q, k, v: _call(kernel, q, k, v, **blocks))(q, k, v).jaxpr
     (call,) = [eqn for eqn in jaxpr.eqns if eqn.primitive.name == "pallas_call"]
-    inner = call.params["jaxpr"]
-    dtype = jnp.dtype(q.dtype).name
-    return [dtypes for dtypes in _dot_operand_dtypes(getattr(inner, "jaxpr", inner)) if set(dtypes) != {dtype}]
+    inner, dtype = call.params["jaxpr"], jnp.dtype(q.dtype).name
+    matmuls = [tuple(jnp.dtype(var.aval.dtype).name for var in eqn.invars)
+               for eqn in traced_eqns(getattr(inner, "jaxpr", inner)) if eqn.primitive.name == "dot_general"]
+    return [dtypes for dtypes in matmuls if set(dtypes) != {dtype}]
 
 
 _FORWARD_CASES = [  # (words, q_len, kv_len, block_q, block_k, dtype)

@@ -238,10 +238,10 @@ def _check_kernel(kernel) -> None:
         if len(terms) > 1 and np.array_equal(got, terms[-1]) and early == len(terms) - 1:
             raise CheckFailed(f"failed: {name}, case '{case}' — init and finalize ran on every k step (the output, "
                               "stored every step, is the last product): k is pl.program_id(2), the last grid axis")
-        for wrong, hint in [(terms[-1], "only the last k step's product reached the output: add into acc_ref "
-                             "(+=) on every step, do not overwrite it"),
-                            (sum(terms[:-1]), "the last k step's product is missing: accumulate before finalize "
-                             "writes the output"),
+        for wrong, hint in [(terms[-1], "only the last k step's product reached the output: either acc_ref is "
+                             "overwritten (=, not +=) or init runs on every k step — zero it under pl.when("
+                             "pl.program_id(2) == 0)"),
+                            (sum(terms[:-1]), "the last k step's product is missing: accumulate, then finalize"),
                             (sum(terms[1:]), "the first k step's product is lost: init (zeroing) must come before "
                              "the first accumulate")]:
             if len(terms) > 1 and np.array_equal(got, wrong):
