@@ -24,7 +24,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from flashlib import env
-from flashlib.masks import FEATURES, check_softcap, check_window
+from flashlib.arguments import (
+    check_causal,
+    check_options,
+    check_scale,
+    check_segment_ids,
+    check_sinks,
+    check_window_and_softcap,
+)
+from flashlib.masks import FEATURES
 
 __all__ = [
     "LAYOUTS",
@@ -199,6 +207,11 @@ def validate_inputs(q: Any, k: Any, v: Any, *, scale: float | None = None, layou
     order = (0, 1, 2, 3) if layout == "bhsd" else _SWAP_SEQ_AND_HEADS  # the user's axes in [b, h, s, d] order
     (b, h, q_len, d), (bk, hk, kv_len, dk), (bv, hv, v_len, dv) = (tuple(x.shape[i] for i in order) for x in (q, k, v))
     heads_axis, seq_axis = (1, 2) if layout == "bhsd" else (2, 1)
+    for name, size, axis in (("batch", b, 0), ("heads of q", h, heads_axis), ("heads of k", hk, heads_axis),
+                             ("heads of v", hv, heads_axis)):
+        if size < 1:
+            raise ValueError(f"empty input: {name} (axis {axis}) is {size}; every size must be >= 1 (skip the call "
+                             "for an empty batch)")
     if not b == bk == bv:
         raise ValueError(f"q, k and v must have the same number of batch (axis 0), got q {b}, k {bk}, v {bv}")
     bshd_hint = f"; if your arrays are {LAYOUTS['bshd']}, pass layout='bshd'" if layout == "bhsd" else ""
@@ -216,8 +229,7 @@ def validate_inputs(q: Any, k: Any, v: Any, *, scale: float | None = None, layou
     if min(q_len, kv_len, d, dv) < 1:
         raise ValueError(f"empty input: q_len {q_len}, kv_len {kv_len}, head_dim {d}, v head_dim {dv}; "
                          "every size must be >= 1")
-    if scale is not None and not (isinstance(scale, (int, float)) and np.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale must be a positive finite number or None (1/sqrt(head_dim)), got {scale!r}")
+    check_scale(scale)
     return AttentionShape(b, h, q_len, kv_len, d, np.dtype(q.dtype).name, kv_heads=hk, v_head_dim=dv)
 
 
@@ -235,33 +247,12 @@ def validate_variants(
     as a ``(left, right)`` tuple, ``softcap`` a float, ``segment_ids`` a pair of int32 arrays, ``sinks`` an
     array of ``heads`` floats.
     """
-    given: dict[str, Any] = {}
-    if window is not None:
-        given["window"] = check_window(window)
-    if softcap is not None:
-        given["softcap"] = check_softcap(softcap)
+    given = check_window_and_softcap(window, softcap)
     if segment_ids is not None:
-        if not (isinstance(segment_ids, (tuple, list)) and len(segment_ids) == 2):
-            raise ValueError("segment_ids must be a pair (q_segments [batch, q_len], kv_segments [batch, kv_len]) "
-                             f"of int arrays, got {type(segment_ids).__name__}")
-        pair = []
-        for name, ids, axis, length in (("q_segments", segment_ids[0], "q_len", shape.q_len),
-                                        ("kv_segments", segment_ids[1], "kv_len", shape.kv_len)):
-            if not hasattr(ids, "shape") or tuple(ids.shape) != (shape.batch, length):
-                got = tuple(ids.shape) if hasattr(ids, "shape") else type(ids).__name__
-                raise ValueError(f"segment_ids' {name} must have shape [batch, {axis}] = {(shape.batch, length)}, "
-                                 f"got {got}")
-            if np.dtype(ids.dtype).kind not in "iu":
-                raise ValueError(f"segment_ids' {name} must hold integers, got dtype {np.dtype(ids.dtype).name}")
-            pair.append(jnp.asarray(ids, jnp.int32))
-        given["segment_ids"] = (pair[0], pair[1])
+        given["segment_ids"] = check_segment_ids(segment_ids, batch=shape.batch, q_len=shape.q_len,
+                                                 kv_len=shape.kv_len)
     if sinks is not None:
-        if not hasattr(sinks, "shape") or tuple(sinks.shape) != (shape.heads,):
-            got = tuple(sinks.shape) if hasattr(sinks, "shape") else type(sinks).__name__
-            raise ValueError(f"sinks must be an array of one logit per query head, shape ({shape.heads},), got {got}")
-        if not jnp.issubdtype(sinks.dtype, jnp.floating):  # bfloat16's NumPy kind is "V", not "f"
-            raise ValueError(f"sinks must be floating point, got dtype {np.dtype(sinks.dtype).name}")
-        given["sinks"] = jnp.asarray(sinks)
+        given["sinks"] = check_sinks(sinks, heads=shape.heads)
     used = set(given)
     if shape.kv_heads != shape.heads:
         used.add("gqa")
@@ -321,18 +312,17 @@ def attention(
     Returns:
       ``out`` with ``q``'s dtype, ``[batch, heads, q_len, v_head_dim]`` (in ``layout``).
     """
+    causal = check_causal(causal)
     shape = validate_inputs(q, k, v, scale=scale, layout=layout)
+    scale = check_scale(scale)
     variants, features = validate_variants(shape, window=window, softcap=softcap, segment_ids=segment_ids,
                                            sinks=sinks)
     chosen = get_implementation(impl, features)
-    unknown = sorted(set(options) - set(chosen.options))
-    if unknown:
-        accepted = ", ".join(chosen.options) or "none"
-        raise ValueError(f"impl={chosen.name!r} does not accept option(s) {', '.join(unknown)}; it accepts: {accepted}")
+    check_options(chosen.name, options, chosen.options)
     if chosen.resolve_options is not None:
-        options = chosen.resolve_options(shape, causal=bool(causal), scale=scale, options=options)
+        options = chosen.resolve_options(shape, causal=causal, scale=scale, options=options)
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     if layout == "bshd":
         q, k, v = (x.transpose(_SWAP_SEQ_AND_HEADS) for x in (q, k, v))
-    out = chosen.fn(q, k, v, causal=bool(causal), scale=scale, **variants, **options)  # [b, h, q_len, dv]
+    out = chosen.fn(q, k, v, causal=causal, scale=scale, **variants, **options)  # [b, h, q_len, dv]
     return out.transpose(_SWAP_SEQ_AND_HEADS) if layout == "bshd" else out

@@ -20,7 +20,7 @@ PACKAGE = ROOT / "flashlib"
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (  # bottom up
     ("ground: contract, tiling rules, geometry, chip facts, plumbing", (
         "flashlib._compat", "flashlib.env", "flashlib.hardware", "flashlib.tiling", "flashlib.geometry",
-        "flashlib.masks",
+        "flashlib.masks", "flashlib.arguments",
         "flashlib.api", "flashlib.data", "flashlib.release", "flashlib.progress", "flashlib.provenance",
         "flashlib.llo_dump", "flashlib.tpu_compile", "flashlib.slice_compile", "flashlib.viz", "flashlib.viz.*",
     )),

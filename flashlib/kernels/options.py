@@ -13,10 +13,10 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
-from jax.experimental.pallas import tpu as pltpu
 
 from flashlib import env
 from flashlib.api import AttentionShape, validate_inputs
+from flashlib.arguments import check_causal, check_interpret
 from flashlib.kernels.block_sizes import BlockSizes
 from flashlib.reference import default_scale
 
@@ -48,10 +48,7 @@ def resolve_block_sizes(shape: AttentionShape, block_sizes: BlockSizes | None, c
 
 
 def _check_interpret(interpret: Any) -> Any:
-    if not (interpret is None or isinstance(interpret, (bool, pltpu.InterpretParams))):
-        raise ValueError(
-            f"interpret must be None (automatic), True, False or a pltpu.InterpretParams, got {interpret!r}"
-        )
+    interpret = check_interpret(interpret)  # the one check every entry point shares
     return env.interpret_default() if interpret is None else interpret
 
 
@@ -71,7 +68,7 @@ def resolve_call(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, scal
     (:func:`resolve_block_sizes`, and with ``backward`` their backward fields, :meth:`BlockSizes.for_backward`),
     the scale (None: 1/sqrt(d)) and the interpret mode (None: :func:`flashlib.env.interpret_default`)."""
     shape = validate_inputs(q, k, v, scale=scale)
-    return _resolve(shape, causal=causal, scale=scale, block_sizes=block_sizes, interpret=interpret,
+    return _resolve(shape, causal=check_causal(causal), scale=scale, block_sizes=block_sizes, interpret=interpret,
                     backward=backward)
 
 
