@@ -14,7 +14,8 @@ The contract:
   naming each sequence's pages in order) — holding ``lengths[b]`` valid tokens per sequence, the new ones
   included (they were appended before attention, as a serving loop does);
 * bottom-right causal among the new tokens: query ``i`` of sequence ``b`` sits at position ``lengths[b] -
-  q_len + i`` and sees keys ``j <= lengths[b] - q_len + i``; positions ``>= lengths[b]`` are never seen.
+  q_len + i`` and sees keys ``j <= lengths[b] - q_len + i``; positions ``>= lengths[b]`` are never seen —
+  whatever the cache holds there (stale rows, NaN, an unused page still named in the block table), on every impl.
   A query whose position is negative (a sequence shorter than ``q_len``) sees no key and returns zeros;
 * GQA: ``kv_heads`` divides ``heads`` (query head ``h`` reads kv head ``h // (heads // kv_heads)``);
 * the variants of :mod:`flashlib.masks` that decoding models use: ``softcap`` (scores ``c tanh(s / c)``) and a
@@ -29,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flashlib.masks import check_softcap, check_window
+from flashlib.arguments import check_scale, check_window_and_softcap
 from flashlib.reference import SoftmaxState, default_scale, merge_states, state_from_scores, state_output
 
 __all__ = ["KVCache", "PagedKVCache", "check_cache", "check_variants", "contiguous", "decode_oracle",
@@ -46,7 +47,9 @@ class KVCache(NamedTuple):
 
 class PagedKVCache(NamedTuple):
     """A paged cache: ``k_pages [num_pages, kv_heads, page_size, head_dim]``, ``v_pages`` likewise,
-    ``block_table [batch, pages_per_seq]`` (int; entries past a sequence's last page are never read),
+    ``block_table [batch, pages_per_seq]`` (int; entries past a sequence's last page are never read; a live entry
+    outside the pool is refused by :func:`flashlib.kernels.decode_attention` where the table is concrete, and read
+    as the nearest page, 0 or the last, where it is traced — on every impl),
     ``lengths [batch]``. Sequence ``b``'s token ``t`` is row ``t % page_size`` of page ``block_table[b, t //
     page_size]``."""
 
@@ -62,23 +65,29 @@ def check_cache(q, cache: KVCache | PagedKVCache) -> None:
         raise ValueError(f"cache must be a KVCache or a PagedKVCache, got {type(cache).__name__}")
     if len(q.shape) != 4:
         raise ValueError(f"q must be [batch, heads, q_len, head_dim], got shape {tuple(q.shape)}")
-    batch, heads, _, d = q.shape
+    batch, heads, q_len, d = q.shape
     paged = isinstance(cache, PagedKVCache)
     k, v = (cache.k_pages, cache.v_pages) if paged else (cache.k, cache.v)
+    for name, size in (("batch", batch), ("heads", heads), ("q_len", q_len), ("head_dim", d)):
+        if size < 1:
+            raise ValueError(f"empty input: q's {name} is {size} (q {tuple(q.shape)}); every size must be >= 1 "
+                             "(decode at least one new token: skip the call otherwise)")
     what = "k_pages [num_pages, kv_heads, page_size, head_dim]" if paged else "k [batch, kv_heads, max_len, head_dim]"
     if len(k.shape) != 4 or k.shape[-1] != d or (not paged and k.shape[0] != batch):
         raise ValueError(f"the cache's {what} does not fit q {tuple(q.shape)}: got {tuple(k.shape)}")
     if tuple(v.shape[:3]) != tuple(k.shape[:3]):
         raise ValueError(f"the cache's v {tuple(v.shape)} must match k {tuple(k.shape)} but for the last axis")
+    if min(k.shape[:3]) < 1 or v.shape[-1] < 1:
+        raise ValueError(f"empty cache: k {tuple(k.shape)}, v {tuple(v.shape)}; every size must be >= 1")
     if heads % k.shape[1]:
         raise ValueError(f"the cache's kv_heads ({k.shape[1]}) must divide q's heads ({heads})")
     if tuple(cache.lengths.shape) != (batch,) or not jnp.issubdtype(cache.lengths.dtype, jnp.integer):
         got = f"{cache.lengths.dtype}{list(cache.lengths.shape)}"
         raise ValueError(f"lengths must be [batch] = ({batch},) ints, got {got}")
     if paged and (len(cache.block_table.shape) != 2 or cache.block_table.shape[0] != batch
-                  or not jnp.issubdtype(cache.block_table.dtype, jnp.integer)):
-        raise ValueError(f"block_table must be [batch, pages_per_seq] ints with batch {batch}, got "
-                         f"{cache.block_table.dtype}{list(cache.block_table.shape)}")
+                  or cache.block_table.shape[1] < 1 or not jnp.issubdtype(cache.block_table.dtype, jnp.integer)):
+        raise ValueError(f"block_table must be [batch, pages_per_seq] ints with batch {batch} and at least one page, "
+                         f"got {cache.block_table.dtype}{list(cache.block_table.shape)}")
 
 
 def contiguous(cache: KVCache | PagedKVCache) -> KVCache:
@@ -86,7 +95,9 @@ def contiguous(cache: KVCache | PagedKVCache) -> KVCache:
     * page_size``). What the oracle reads, and the plain way to check a paged kernel."""
     if isinstance(cache, KVCache):
         return cache
-    pages = jnp.asarray(cache.block_table)  # [b, pages_per_seq]
+    # [b, pages_per_seq]; an entry outside the pool reads its nearest page, as the Pallas kernel's index map does
+    # (a traced table cannot be checked: a negative id would otherwise wrap to the pool's end)
+    pages = jnp.clip(jnp.asarray(cache.block_table), 0, cache.k_pages.shape[0] - 1)
 
     def gather(pool: jax.Array) -> jax.Array:
         seq = pool[pages]  # [b, pages_per_seq, kv_heads, page_size, d]
@@ -100,7 +111,7 @@ def _contiguous_float64(cache: KVCache | PagedKVCache) -> tuple[np.ndarray, np.n
     """:func:`contiguous`'s k and v in float64 NumPy, for the oracle: the same gather, independent of JAX."""
     if isinstance(cache, KVCache):
         return np.asarray(cache.k, np.float64), np.asarray(cache.v, np.float64)
-    pages = np.asarray(cache.block_table)  # [b, pages_per_seq]
+    pages = np.clip(np.asarray(cache.block_table), 0, np.shape(cache.k_pages)[0] - 1)  # as contiguous() reads it
 
     def gather(pool) -> np.ndarray:
         seq = np.moveaxis(np.asarray(pool, np.float64)[pages], 2, 1)  # [b, kv_heads, pages_per_seq, page_size, d]
@@ -113,8 +124,8 @@ def check_variants(softcap: Any = None, window: Any = None) -> tuple[float | Non
     """``(softcap, left)`` checked: decoding takes :mod:`flashlib.masks`' soft-cap and sliding window. Decoding
     is causal, so only the window's left side narrows anything (query ``i`` at position ``p`` sees keys ``p -
     left <= j <= p``); a right side is accepted and has no effect."""
-    window = check_window(window)
-    return check_softcap(softcap), (None if window is None else window[0])
+    given = check_window_and_softcap(window, softcap)
+    return given.get("softcap"), (given["window"][0] if "window" in given else None)
 
 
 def _visible(q_len: int, max_len: int, lengths: jax.Array, start: int = 0, stop: int | None = None,
@@ -141,7 +152,10 @@ def _partial_state(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array,
     if softcap is not None:
         s = softcap * jnp.tanh(s / softcap)  # [b, hk, g*q, k]
     mask = jnp.tile(visible, (1, group, 1))[:, None]  # [b, 1, g*q, k]
-    return state_from_scores(s, v.astype(jnp.float32), mask)
+    # a key no row sees (past the length, before every window) has probability 0, but 0 * NaN is NaN: its value
+    # is selected away, not multiplied, so whatever the cache holds there never reaches the output
+    seen = jnp.any(visible, axis=1)[:, None, :, None]  # [b, 1, k, 1]
+    return state_from_scores(s, jnp.where(seen, v.astype(jnp.float32), 0.0), mask)
 
 
 def _unfold(out: jax.Array, heads: int) -> jax.Array:
@@ -156,7 +170,7 @@ def decode_reference(q: jax.Array, cache: KVCache | PagedKVCache, *, scale: floa
     check_cache(q, cache)
     softcap, left = check_variants(softcap, window)
     cache = contiguous(cache)
-    scale = default_scale(q.shape[-1]) if scale is None else scale
+    scale = default_scale(q.shape[-1]) if scale is None else check_scale(scale)
     visible = _visible(q.shape[2], cache.k.shape[2], cache.lengths, left=left)
     state = _partial_state(q, cache.k, cache.v, visible, scale, softcap)
     return _unfold(state_output(state), q.shape[1]).astype(q.dtype)
@@ -179,7 +193,7 @@ def decode_split_kv(q: jax.Array, cache: KVCache | PagedKVCache, *, num_splits: 
     check_cache(q, cache)
     softcap, left = check_variants(softcap, window)
     cache = contiguous(cache)
-    scale = default_scale(q.shape[-1]) if scale is None else scale
+    scale = default_scale(q.shape[-1]) if scale is None else check_scale(scale)
     q_len, max_len = q.shape[2], cache.k.shape[2]
     states = []
     for start, stop in split_bounds(max_len, num_splits):

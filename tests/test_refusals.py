@@ -15,6 +15,8 @@ axis, an eager gradient on the default mesh outside ``jax.set_mesh`` — is a ca
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -107,3 +109,210 @@ def test_an_empty_batch_or_head_axis_is_named(impl, shapes, axis):
     qs, ks = shapes
     with pytest.raises(ValueError, match=f"empty input: {axis}"):
         flashlib.attention(jnp.zeros(qs), jnp.zeros(ks), jnp.zeros(ks), impl=impl)
+
+
+# ---------------------------------------------------------------------------------------------------
+# decode_attention: the contract's "never seen", the shared checks, the options an impl does not read
+# ---------------------------------------------------------------------------------------------------
+
+DECODE_IMPLS = ["pallas", "split_kv", "reference"]
+
+
+def _paged_cache(rng, lengths, *, num_pages=10, page_size=4, pages_per_seq=3, kv_heads=1, d=8):
+    k, v = (jnp.asarray(rng.normal(size=(num_pages, kv_heads, page_size, d)), F32) for _ in range(2))
+    table = jnp.asarray(rng.permutation(num_pages)[: len(lengths) * pages_per_seq].reshape(len(lengths), -1),
+                        jnp.int32)
+    return decode.PagedKVCache(k, v, table, jnp.asarray(lengths, jnp.int32))
+
+
+def _decode(q, cache, impl, **options):
+    return decode_attention(q, cache, impl=impl, interpret=True, **options)
+
+
+def _jit_decode(q, cache, impl, **options):
+    """One compiled program (op by op, the pure-JAX impls spend seconds dispatching); the cache's values traced."""
+    return _compiled_decode(impl, tuple(sorted(options.items())))(q, cache)
+
+
+@functools.cache
+def _compiled_decode(impl, options):
+    return jax.jit(functools.partial(_decode, impl=impl, **dict(options)))
+
+
+@pytest.mark.parametrize("impl", ["split_kv", "reference"])  # the kernel's: tests/test_decode_kernel.py
+def test_nan_past_the_length_is_never_seen(impl):
+    """A contiguous cache's tail, a page still named in the block table but past the length, the tail of a
+    partly filled page: NaN there (in k and v) reached split_kv's and the reference's output through ``0 * NaN``."""
+    rng = np.random.default_rng(1)
+    q = jnp.asarray(rng.normal(size=(2, 2, 2, 8)), F32)
+    contiguous = decode.KVCache(*(jnp.asarray(rng.normal(size=(2, 1, 16, 8)), F32) for _ in range(2)),
+                                jnp.asarray([5, 11], jnp.int32))
+    paged = _paged_cache(rng, [6, 3])  # 6 keys: page 1 half full, page 2 unused; 3 keys: one page, partly
+    want = [decode.decode_oracle(q, contiguous), decode.decode_oracle(q, paged)]
+    tail = jnp.arange(16)[None, None, :, None] >= contiguous.lengths[:, None, None, None]
+    contiguous = contiguous._replace(k=jnp.where(tail, jnp.nan, contiguous.k), v=jnp.where(tail, jnp.nan, contiguous.v))
+    table = np.asarray(paged.block_table)
+
+    def poison(pool):
+        pool = pool.at[table[0, 1], :, 2:].set(jnp.nan).at[table[0, 2]].set(jnp.nan)  # past sequence 0's 6 keys
+        return pool.at[table[1, 0], :, 3:].set(jnp.nan).at[table[1, 1:]].set(jnp.nan)  # past sequence 1's 3 keys
+
+    paged = paged._replace(k_pages=poison(paged.k_pages), v_pages=poison(paged.v_pages))
+    options = {"num_splits": 2} if impl == "split_kv" else {}
+    for cache, exact in zip((contiguous, paged), want, strict=True):
+        got = np.asarray(_jit_decode(q, cache, impl, **options), np.float64)
+        np.testing.assert_allclose(got, exact, atol=ATOL, err_msg=type(cache).__name__)
+
+
+@pytest.mark.parametrize("impl", DECODE_IMPLS)
+@pytest.mark.parametrize(("argument", "value"), [("scale", 0), ("scale", -1.0), ("scale", float("nan")),
+                                                  ("scale", True), ("interpret", "x"), ("interpret", 1)])
+def test_decode_checks_scale_and_interpret_as_attention_does(impl, argument, value):
+    rng = np.random.default_rng(2)
+    cache = _paged_cache(rng, [5])
+    with pytest.raises(ValueError, match=argument):
+        decode_attention(jnp.zeros((1, 2, 1, 8)), cache, impl=impl, **{argument: value})
+
+
+@pytest.mark.parametrize(("impl", "options", "named"), [
+    ("reference", {"num_splits": 0}, "num_splits"), ("reference", {"num_splits": 2}, "num_splits"),
+    ("reference", {"block_k": 0}, "block_k"), ("reference", {"block_k": 100}, "block_k"),
+    ("reference", {"pages_per_step": 2}, "pages_per_step"),
+    ("split_kv", {"block_k": 128}, "block_k"), ("split_kv", {"pages_per_step": 1}, "pages_per_step"),
+    ("split_kv", {"num_splits": 0}, "num_splits"), ("pallas", {"num_splits": 0}, "num_splits"),
+    ("pallas", {"pages_per_step": 0}, "pages_per_step"), ("pallas", {"block_k": 128}, "block_k"),
+])
+def test_decode_refuses_options_an_impl_does_not_read(impl, options, named):
+    """``impl="reference"`` silently ignored ``num_splits=0``, ``block_k=0/100`` and ``pages_per_step``."""
+    rng = np.random.default_rng(3)
+    with pytest.raises(ValueError, match=named):
+        decode_attention(jnp.zeros((1, 2, 1, 8)), _paged_cache(rng, [5]), impl=impl, interpret=True, **options)
+
+
+@pytest.mark.parametrize("impl", DECODE_IMPLS)
+def test_decode_names_an_empty_query(impl):
+    """q_len 0 was a ZeroDivisionError in the Pallas path."""
+    rng = np.random.default_rng(4)
+    with pytest.raises(ValueError, match="q_len is 0"):
+        decode_attention(jnp.zeros((1, 2, 0, 8)), _paged_cache(rng, [5]), impl=impl, interpret=True)
+
+
+def test_the_decode_kernel_says_it_has_no_gradient():
+    """Under ``jax.grad`` Pallas raised ``NotImplementedError('')``."""
+    rng = np.random.default_rng(5)
+    cache = _paged_cache(rng, [5])
+    q = jnp.asarray(rng.normal(size=(1, 2, 1, 8)), F32)
+    with pytest.raises(NotImplementedError, match="no gradient.*flashlib.attention"):
+        jax.grad(lambda q: decode_attention(q, cache, interpret=True).sum())(q)
+    with pytest.raises(NotImplementedError, match="no gradient"):
+        jax.grad(lambda k: decode_attention(q, cache._replace(k_pages=k), interpret=True).sum())(cache.k_pages)
+
+
+def test_a_traced_page_id_outside_the_pool_reads_the_same_page_on_every_impl():
+    """Under ``jit`` a page id of -3 was clamped to page 0 by the kernel but wrapped to page 9 by split-KV and the
+    reference (their outputs differed by 0.53); now every impl reads the nearest page, as the kernel does."""
+    rng = np.random.default_rng(6)
+    cache = _paged_cache(rng, [7, 12])
+    q = jnp.asarray(rng.normal(size=(2, 2, 1, 8)), F32)
+    for bad, nearest, impls in ((-3, 0, DECODE_IMPLS), (99, 9, ["split_kv", "reference"])):
+        table = cache.block_table.at[0, 1].set(bad)
+        want = decode.decode_oracle(q, cache._replace(block_table=table.at[0, 1].set(nearest)))
+        for impl in impls:  # the kernel one page per grid step (its cheapest interpreted program)
+            options = {"pages_per_step": 1} if impl == "pallas" else {}
+            got = _jit_decode(q, cache._replace(block_table=table), impl, **options)
+            np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=ATOL, err_msg=f"{impl} {bad}")
+        with pytest.raises(ValueError, match=r"block_table\[0\] names pages"):  # concrete: refused, every impl
+            _decode(q, cache._replace(block_table=table), "reference")
+
+
+# ---------------------------------------------------------------------------------------------------
+# sharded_attention and ring_attention on a one-device mesh (the default of jax.make_mesh: Explicit axes in the
+# newest jax, Auto in jax 0.7.2)
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_sharded_attention_takes_segment_ids_on_the_default_mesh():
+    """On Explicit axes ``place`` mapped one PartitionSpec over the pair of segment-id specs: AttributeError."""
+    q, k, v = _qkv(batch=1, q_len=6, kv_len=6)
+    ids = (jnp.asarray([[0, 0, 1, 1, 1, 2]]), jnp.asarray([[0, 0, 1, 1, 1, 2]]))
+    mesh = _mesh()
+
+    def loss(q):
+        out = sharded_attention(q, k, v, mesh=mesh, batch_axis="x", segment_ids=ids, sinks=jnp.zeros(2),
+                                impl="reference")
+        return jnp.sum(out * out), out
+
+    (_, out), dq = jax.jit(jax.value_and_grad(loss, has_aux=True))(q)  # one program: eager shard_map is slow
+    np.testing.assert_allclose(out, attention_oracle(q, k, v, segment_ids=ids, sinks=np.zeros(2)), atol=ATOL)
+    want = jax.grad(lambda q: jnp.sum(flashlib.attention(q, k, v, segment_ids=ids, sinks=jnp.zeros(2),
+                                                         impl="reference") ** 2))(q)
+    np.testing.assert_allclose(dq, want, atol=ATOL)
+
+
+@pytest.mark.parametrize("entry", ["sharded", "ring"])
+def test_sharded_and_ring_take_the_bshd_layout(entry):
+    """``layout="bshd"`` went through ``**options`` to each device's attention while the specs assumed bhsd (on
+    several devices ``head_axis`` split the sequence: tests/sharded_checks.py's bshd case); the ring refused it
+    as an unknown worker option. Now both handle the layout themselves."""
+    q, k, v = _qkv(batch=1, heads=2, q_len=6, kv_len=6, kv_heads=1)
+    bshd = [x.transpose(0, 2, 1, 3) for x in (q, k, v)]
+    mesh = _mesh()
+    if entry == "sharded":
+        run = functools.partial(sharded_attention, mesh=mesh, head_axis="x", causal=True, layout="bshd",
+                                impl="reference")
+    else:
+        run = functools.partial(ring_attention, mesh=mesh, seq_axis="x", causal=True, layout="bshd", impl="reference")
+    out = jax.jit(run)(*bshd)
+    np.testing.assert_allclose(out.transpose(0, 2, 1, 3), attention_oracle(q, k, v, causal=True), atol=ATOL)
+    with pytest.raises(ValueError, match="layout='hsbd'"):
+        (sharded_attention if entry == "sharded" else ring_attention)(
+            q, k, v, mesh=mesh, layout="hsbd", **({"head_axis": "x"} if entry == "sharded" else {"seq_axis": "x"}))
+
+
+@pytest.mark.parametrize("option", ["block_q", "block_k"])
+@pytest.mark.parametrize("value", [0, -8, 2.5, True])
+def test_ring_names_a_bad_block_size(option, value):
+    """``block_q=0`` was a ZeroDivisionError in tiling.py."""
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=f"{option} must be a positive int"):
+        ring_attention(q, k, v, mesh=_mesh(), seq_axis="x", impl="blockwise", **{option: value})
+
+
+@pytest.mark.parametrize("entry", ["sharded", "ring"])
+@pytest.mark.parametrize(("argument", "value"), [("causal", "False"), ("scale", True), ("scale", 0.0)])
+def test_sharded_and_ring_check_the_shared_arguments(entry, argument, value):
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=argument):
+        if entry == "sharded":
+            sharded_attention(q, k, v, mesh=_mesh(), head_axis="x", impl="reference", **{argument: value})
+        else:
+            ring_attention(q, k, v, mesh=_mesh(), seq_axis="x", impl="reference", **{argument: value})
+
+
+def test_sharded_checks_concrete_ids_and_sinks_before_shard_map():
+    """Inside ``shard_map`` the ids and sinks are traced, so their values are checked before it."""
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="int32"):
+        sharded_attention(q, k, v, mesh=_mesh(), batch_axis="x", impl="reference",
+                          segment_ids=(np.full((1, 4), 2**32, np.int64), np.zeros((1, 4), np.int64)))
+    with pytest.raises(ValueError, match="sinks must be finite"):
+        sharded_attention(q, k, v, mesh=_mesh(), head_axis="x", impl="reference", sinks=jnp.asarray([0.0, np.nan]))
+
+
+@pytest.mark.parametrize("entry", ["sharded", "ring"])
+def test_gradients_inside_and_outside_a_mesh_context_agree(entry):
+    """The Auto twin (outside ``jax.set_mesh``) and the mesh as given (inside it) give attention's gradient. On one
+    device the eager gradient on Explicit axes worked before too: the failure needed several devices
+    (tests/sharded_checks.py's eager case). Compiled: eager shard_map and scan take a minute here."""
+    q, k, v = _qkv()
+    mesh = _mesh()
+
+    def loss(q):
+        if entry == "sharded":
+            return jnp.sum(sharded_attention(q, k, v, mesh=mesh, batch_axis="x", impl="reference") ** 2)
+        return jnp.sum(ring_attention(q, k, v, mesh=mesh, seq_axis="x", impl="reference") ** 2)
+
+    want = jax.grad(lambda q: jnp.sum(flashlib.attention(q, k, v, impl="reference") ** 2))(q)
+    np.testing.assert_allclose(jax.jit(jax.grad(loss))(q), want, atol=ATOL)
+    with jax.set_mesh(mesh):
+        np.testing.assert_allclose(jax.jit(jax.grad(loss))(q), want, atol=ATOL)

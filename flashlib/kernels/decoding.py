@@ -19,14 +19,23 @@ import jax.numpy as jnp
 import numpy as np
 
 from flashlib import decode, env
+from flashlib.arguments import check_interpret, check_options, check_scale, given_options
 from flashlib.kernels.tpu_decode import decode_contiguous, decode_paged
 from flashlib.reference import default_scale
 from flashlib.tiling import NUM_LANES, pad_to_multiple
 
-__all__ = ["DECODE_IMPLS", "MAX_BLOCK_K", "MAX_PAGES_PER_STEP", "decode_attention", "default_block_k",
-           "default_num_splits", "default_pages_per_step"]
+__all__ = ["DECODE_IMPLS", "DECODE_OPTIONS", "MAX_BLOCK_K", "MAX_PAGES_PER_STEP", "NO_GRADIENT_MESSAGE",
+           "decode_attention", "default_block_k", "default_num_splits", "default_pages_per_step"]
 
 DECODE_IMPLS = ("pallas", "split_kv", "reference")
+# The options each impl reads; giving one it does not read is refused rather than ignored (``interpret``, shared
+# with the attention kernels, is checked and accepted by every impl: only "pallas" runs a kernel).
+DECODE_OPTIONS = {"pallas": ("num_splits", "block_k", "pages_per_step"), "split_kv": ("num_splits",),
+                  "reference": ()}
+NO_GRADIENT_MESSAGE = (
+    "decode_attention(impl='pallas') has no gradient: the decode kernels are for inference; train with "
+    "flashlib.attention (differentiable on every impl), or differentiate impl='split_kv' or 'reference' (plain JAX)"
+)
 # The largest default key block of a contiguous cache: the bigger the copy per grid step, the smaller the
 # step's fixed cost against the HBM time (libtpu's estimate: 2048 keys of bf16 head_dim 128 per step come within
 # a few percent of the HBM floor on v5e; data/estimates/decode_v5e.csv).
@@ -65,6 +74,19 @@ def _check_int(name: str, value: Any, low: int, high: int, hint: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise ValueError(f"{name} must be an int from {low} to {high} ({hint}), got {value!r}")
     return value
+
+
+@jax.custom_jvp
+def _no_gradient(x: jax.Array) -> jax.Array:
+    """The identity, whose derivative refuses with :data:`NO_GRADIENT_MESSAGE` (instead of Pallas's empty
+    ``NotImplementedError``)."""
+    return x
+
+
+@_no_gradient.defjvp
+def _refuse_gradient(primals, tangents):
+    del primals, tangents
+    raise NotImplementedError(NO_GRADIENT_MESSAGE)
 
 
 def _check_concrete_lengths(cache: decode.KVCache | decode.PagedKVCache) -> None:
@@ -108,13 +130,23 @@ def decode_attention(q: jax.Array, cache: decode.KVCache | decode.PagedKVCache, 
         for a contiguous cache.
       scale: softmax temperature, default ``1/sqrt(head_dim)``.
       interpret: as for the attention kernels: None compiles on a TPU and interprets elsewhere; False forces
-        the compiled path (for an ahead-of-time compile); True or a ``pltpu.InterpretParams`` interprets.
+        the compiled path (for an ahead-of-time compile); True or a ``pltpu.InterpretParams`` interprets. Checked
+        for every impl (:mod:`flashlib.arguments`), read by ``"pallas"`` only.
       softcap: scores become ``softcap * tanh(s / softcap)`` (Gemma-2).
       window: ``(left, right)``: a query at position ``p`` sees keys ``p - left .. p`` (decoding is causal, so the
         right side changes nothing); the kernels neither copy nor compute the blocks before the window.
+
+    ``num_splits``, ``block_k`` and ``pages_per_step`` are refused by the impls that do not read them
+    (:data:`DECODE_OPTIONS`); ``scale``, ``interpret``, ``softcap`` and ``window`` are checked as
+    :func:`flashlib.attention` checks them, for every impl. ``impl="pallas"`` has no gradient (a
+    ``NotImplementedError`` saying so under ``jax.grad``): train with :func:`flashlib.attention`.
     """
     if impl not in DECODE_IMPLS:
         raise ValueError(f"impl must be one of {', '.join(map(repr, DECODE_IMPLS))}, got {impl!r}")
+    check_options(impl, given_options({"num_splits": num_splits, "block_k": block_k,
+                                       "pages_per_step": pages_per_step}), DECODE_OPTIONS[impl])
+    scale = check_scale(scale)
+    interpret = check_interpret(interpret)
     decode.check_cache(q, cache)
     softcap, left = decode.check_variants(softcap, window)
     variants = {"softcap": softcap, "window": None if left is None else (left, 0)}
@@ -128,6 +160,10 @@ def decode_attention(q: jax.Array, cache: decode.KVCache | decode.PagedKVCache, 
     scale = default_scale(q.shape[-1]) if scale is None else float(scale)
     if impl == "reference":
         return decode.decode_reference(q, cache, scale=scale, **variants)
+    if impl == "split_kv":
+        keys = cache.block_table.shape[1] * k.shape[2] if paged else k.shape[2]
+        splits = 1 if num_splits is None else _check_int("num_splits", num_splits, 1, keys, "at most one per key")
+        return decode.decode_split_kv(q, cache, num_splits=splits, scale=scale, **variants)
     batch, kv_heads = q.shape[0], k.shape[1]
     if paged:
         if block_k is not None:
@@ -149,20 +185,18 @@ def decode_attention(q: jax.Array, cache: decode.KVCache | decode.PagedKVCache, 
             raise ValueError(f"block_k must be a positive multiple of {NUM_LANES} (keys per grid step), got "
                              f"{block_k!r}; e.g. block_k=512")
         num_blocks = -(-max_len // block_k)
-    if impl == "split_kv":
-        keys = cache.block_table.shape[1] * block_k if paged else k.shape[2]
-        splits = 1 if num_splits is None else _check_int("num_splits", num_splits, 1, keys, "at most one per key")
-        return decode.decode_split_kv(q, cache, num_splits=splits, scale=scale, **variants)
     if num_splits is None:
         num_splits = default_num_splits(batch, kv_heads, num_blocks)
     unit = f"grid steps of {pages_per_step} page(s)" if paged else f"key blocks of {block_k}"
     _check_int("num_splits", num_splits, 1, num_blocks, f"at most one per grid step: the cache has {num_blocks} {unit}")
     interpret = env.interpret_default() if interpret is None else interpret
+    q = _no_gradient(q)
     if paged:
-        return decode_paged(q, cache.k_pages, cache.v_pages, cache.block_table, cache.lengths,
+        k_pages, v_pages = _no_gradient(cache.k_pages), _no_gradient(cache.v_pages)
+        return decode_paged(q, k_pages, v_pages, cache.block_table, cache.lengths,
                             num_splits=num_splits, pages_per_step=pages_per_step, scale=scale, interpret=interpret,
                             softcap=softcap, left=left)
-    k_cache = pad_to_multiple(cache.k, 2, block_k)  # a copy only when max_len is not a multiple of block_k
-    v_cache = pad_to_multiple(cache.v, 2, block_k)
+    k_cache = pad_to_multiple(_no_gradient(cache.k), 2, block_k)  # a copy only when max_len is not a multiple
+    v_cache = pad_to_multiple(_no_gradient(cache.v), 2, block_k)  # of block_k
     return decode_contiguous(q, k_cache, v_cache, cache.lengths, block_k=block_k, num_splits=num_splits,
                              scale=scale, interpret=interpret, softcap=softcap, left=left)
