@@ -41,7 +41,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
-from flashlib.api import validate_inputs
+from flashlib.api import check_layout, check_positive_ints, validate_inputs
+from flashlib.arguments import check_causal
 from flashlib.reference import SoftmaxState, default_scale, merge_states, state_output
 from flashlib.ring_plan import (
     DIAGONAL,
@@ -55,10 +56,12 @@ from flashlib.ring_plan import (
     transfer_vs_compute,
 )
 from flashlib.ring_workers import Worker, make_worker
-from flashlib.sharded import axis_size, check_divides, check_mesh_axis, place
+from flashlib.sharded import axis_size, check_divides, check_mesh_axis, place, working_mesh
 
 __all__ = ["DIAGONAL", "FULL", "LOAD_BALANCES", "PARTIAL", "SKIP", "RingPlan", "chunks_of_device", "from_ring_order",
            "ring_attention", "ring_schedule", "to_ring_order", "transfer_vs_compute"]
+
+_SWAP_SEQ_AND_HEADS = (0, 2, 1, 3)  # bshd <-> bhsd (its own inverse)
 
 def ring_attention(
     q: jax.Array,
@@ -74,6 +77,7 @@ def ring_attention(
     impl: str = "blockwise",
     load_balance: str | None = "zigzag",
     in_ring_order: bool = False,
+    layout: str = "bhsd",
     **options: Any,
 ) -> jax.Array:
     """Self-attention with the sequence split over ``seq_axis`` of ``mesh`` (and optionally batch and heads).
@@ -92,11 +96,16 @@ def ring_attention(
       in_ring_order: q, k, v are already in ring order (:func:`to_ring_order`; the sequence a multiple of the
         chunk count), and so is the output: no reordering and no padding around the ring, so a model that
         keeps its activations in ring order pays only the ring's own transfers.
+      layout: ``"bhsd"`` (as above) or ``"bshd"`` (``[batch, seq, heads, head_dim]`` arrays and output), handled
+        here: the ring splits the sequence, ``head_axis`` the heads, whatever the layout.
 
     Returns:
-      ``out [batch, heads, seq, v_head_dim]`` in q's dtype, differentiable in q, k, v (first order).
+      ``out [batch, heads, seq, v_head_dim]`` (in ``layout``) in q's dtype, differentiable in q, k, v (first
+      order), on Auto and Explicit meshes outside ``jax.set_mesh`` too (:func:`flashlib.sharded.working_mesh`);
+      inputs already sharded on Explicit axes are differentiated inside ``with jax.set_mesh(mesh):`` (JAX's rule).
     """
-    shape = validate_inputs(q, k, v, scale=scale)
+    causal = check_causal(causal)
+    shape = validate_inputs(q, k, v, scale=scale, layout=check_layout(layout))
     if shape.q_len != shape.kv_len:
         raise ValueError(f"ring attention splits one sequence: q and k must have the same length (axis 2), got "
                          f"{shape.q_len} and {shape.kv_len}; for cross-attention use sharded_attention")
@@ -110,6 +119,9 @@ def ring_attention(
         raise ValueError(f"seq_axis={seq_axis!r} is also the batch or head axis; give the ring its own mesh axis")
     check_divides(mesh, shape, batch_axis=batch_axis, head_axis=head_axis)
     scale = default_scale(shape.head_dim) if scale is None else float(scale)
+    if impl == "blockwise":  # its block sizes, checked before tracing (0 was a ZeroDivisionError in tiling)
+        check_positive_ints(shape, causal=causal, scale=scale,
+                            options={n: x for n, x in options.items() if n in ("block_q", "block_k")})
     worker = make_worker(impl, scale, dict(options))
     plan = RingPlan.make(shape.q_len, axis_size(mesh, seq_axis), causal, load_balance)
     if in_ring_order and plan.padded_length != shape.q_len:
@@ -125,12 +137,17 @@ def ring_attention(
     def body(q, k, v):
         return _ring(q, k, v, plan, worker, seq_axis)
 
+    if layout == "bshd":
+        q, k, v = (jnp.asarray(x).transpose(_SWAP_SEQ_AND_HEADS) for x in (q, k, v))
+    mesh = working_mesh(mesh, q, k, v)
     run = jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, check_vma=False)
     if in_ring_order:
-        return run(*(place(x, mesh, spec) for x in (q, k, v)))
-    out = run(*(place(to_ring(x), mesh, spec) for x in (q, k, v)))
-    out = place(out, mesh, PartitionSpec(batch_axis, head_axis))  # Explicit axes: whole sequence, to reorder
-    return _reorder(out, plan, to_ring=False)[:, :, :shape.q_len]
+        out = run(*(place(x, mesh, spec) for x in (q, k, v)))
+    else:
+        out = run(*(place(to_ring(x), mesh, spec) for x in (q, k, v)))
+        out = place(out, mesh, PartitionSpec(batch_axis, head_axis))  # Explicit axes: whole sequence, to reorder
+        out = _reorder(out, plan, to_ring=False)[:, :, :shape.q_len]
+    return out.transpose(_SWAP_SEQ_AND_HEADS) if layout == "bshd" else out
 
 
 def to_ring_order(x: jax.Array, *, n: int, load_balance: str | None = "zigzag") -> jax.Array:
