@@ -57,6 +57,10 @@ CASES = {
                                          2, 8, 4, 40, 16),
     "sharded-pallas-4x2-full-bf16": ("sharded", (4, 2), "batch", "pallas", PALLAS, False, None, "bfloat16",
                                      4, 2, 2, 32, 32),
+    # issue 24: layout="bshd" (head_axis had split the sequence), and the VJP run eagerly on jax.make_mesh's
+    # default mesh outside jax.set_mesh (Explicit axes in the newest jax: JAX's mesh-context error)
+    "sharded-reference-2x4-causal-bshd-eager": ("sharded", (2, 4), "batch", "reference", {}, True, None, "float32",
+                                                2, 8, 4, 16, 8),
 }
 
 
@@ -83,6 +87,13 @@ def attention_fn(case_id: str):
     if kind == "ring":
         return lambda q, k, v: ring_attention(q, k, v, mesh=mesh, seq_axis="seq", causal=causal, impl=impl,
                                               load_balance=load_balance, **axes, **options)
+    if "bshd" in case_id:  # the caller's arrays are [batch, seq, heads, d]: the heads are still what "seq" splits
+        def bshd(q, k, v):
+            out = sharded_attention(*(x.transpose(0, 2, 1, 3) for x in (q, k, v)), mesh=mesh, batch_axis="x",
+                                    head_axis="seq", causal=causal, impl=impl, layout="bshd", **options)
+            return out.transpose(0, 2, 1, 3)
+
+        return bshd
     return lambda q, k, v: sharded_attention(q, k, v, mesh=mesh, batch_axis="x", head_axis="seq", causal=causal,
                                              impl=impl, **options)
 
@@ -94,7 +105,8 @@ def run_case(case_id: str) -> dict:
                                       kv_len=seq, head_dim=head_dim, dtype=dtype)
     k, v = k[:, :kv_heads], v[:, :kv_heads]
     start = time.perf_counter()
-    values = jax.jit(rules.output_and_grads, static_argnums=0)(attention_fn(case_id), q, k, v, do)
+    run = rules.output_and_grads if "eager" in case_id else jax.jit(rules.output_and_grads, static_argnums=0)
+    values = run(attention_fn(case_id), q, k, v, do)
     seconds = time.perf_counter() - start
     oracle = [attention_oracle(q, k, v, causal=causal), *attention_vjp_oracle(q, k, v, do, causal=causal)]
 
