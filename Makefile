@@ -6,6 +6,7 @@
 #   make test-quick  the inner loop: lint + library tests with smoke-sized searches, no notebooks or TPU compiles
 #   make notebooks   regenerate the setup cells and Colab badges, re-execute every notebook in place
 #   make colab-bundle  dist/flashlib-colab-<version>.zip: the wheel and data/ to upload to Colab
+#   make mutants     mutation testing of every puzzle's checker (cosmic-ray); report in data/mutants/
 #
 # Works on any Linux machine with Python >= 3.11 and make; no accelerator needed (Pallas kernels run in
 # interpret mode on the CPU; the TPU compiler in libtpu checks the kernels ahead of time).
@@ -42,7 +43,7 @@ PARALLEL := -n $(TEST_WORKERS) --dist loadgroup --durations=30
 # property searches; tests marked `optimized` compile at the full level, as a learner's laptop does.
 TEST_ENV := JAX_DISABLE_MOST_OPTIMIZATIONS=1
 
-.PHONY: help lab test test-colab test-quick lint test-lib test-notebooks notebooks colab-bundle clean
+.PHONY: help lab test test-colab test-quick lint test-lib test-notebooks notebooks colab-bundle mutants clean
 
 help:
 	@sed -n '3,9p' Makefile | sed 's/^# //'
@@ -96,6 +97,11 @@ notebooks: $(VENV)/.installed
 	  $(VENV)/bin/jupyter nbconvert --to notebook --execute --inplace --ExecutePreprocessor.timeout=600 "$$nb"
 	done
 	$(VENV)/bin/python tests/clean_notebooks.py $(NOTEBOOKS)
+
+# Every mutant of every puzzle's solution, judged by its checker (~30 min on 2 cores; not in CI: the committed
+# report is, checked by tests/test_mutants.py, and each survivor that was killed is a case in tests/test_exercises_*).
+mutants: $(VENV)/.installed
+	$(VENV)/bin/python tests/mutants.py
 
 colab-bundle: $(VENV)/.installed
 	$(VENV)/bin/python notebooks/make_colab_bundle.py

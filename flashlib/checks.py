@@ -102,7 +102,9 @@ def check_attention(
     if not np.isfinite(out_np.astype(np.float64)).all():
         raise CheckFailed(f"failed: {name} — output contains NaN or inf")
     expected = attention_oracle(q, k, v, causal=causal, scale=scale, **variants)
-    naive = np.asarray(attention_naive(q, k, v, causal=causal, scale=scale, **variants), dtype=np.float64)
+    if variants.get("window") is not None:
+        variants = {**variants, "window": tuple(variants["window"])}
+    naive = np.asarray(_naive_output(q, k, v, causal=bool(causal), scale=scale, **variants), dtype=np.float64)
     naive_error = float(np.max(np.abs(naive - expected), initial=0.0))
     err = np.abs(out_np.astype(np.float64) - expected)
     error = float(np.max(err, initial=0.0))
@@ -116,6 +118,11 @@ def check_attention(
     if not quiet:
         print(f"passed: {name} matches the float64 oracle (within 2x the naive {np.dtype(q.dtype).name} error)")
     return AttentionCheck(error=error, naive_error=naive_error, allowed=allowed)
+
+
+# The naive implementation as one compiled program: 2-3x faster to build than its op-by-op dispatch at each new
+# shape (measured on 2 cores, bf16, 1-12 tokens: 0.6-0.8 s against 1.5-2.2 s a call), the same operations.
+_naive_output = jax.jit(attention_naive, static_argnames=("causal", "scale", "window", "softcap"))
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "scale", "window", "softcap"))

@@ -197,12 +197,25 @@ def _xdist_group(item) -> str | None:
     return None
 
 
+def _schedule_rank(item) -> int:
+    """Where an ungrouped ``item`` goes in the parallel run's queue. xdist's scheduler queues the groups first,
+    the ones with most tests first (``--loadscope-reorder``, its default), then the single tests in collection
+    order; the longest single tests are the property searches (5-50 s each), and one of them near the end
+    leaves a worker idle while the other finishes it. So the searches go first among the single tests (0),
+    the rest (mostly under a second each) after them (1), to fill in at the end."""
+    return 0 if getattr(getattr(item, "obj", None), "is_hypothesis_test", False) else 1
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
+    ranks = {}
     for item in items:
         group = _xdist_group(item)
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))
+        ranks[item.nodeid] = _schedule_rank(item)
+    if getattr(config, "workerinput", None) is not None:  # an xdist worker: its scheduler follows this order
+        items.sort(key=lambda item: ranks[item.nodeid])  # stable: a notebook's cells stay in order
     if env.has_libtpu():
         return
     if os.environ.get("FLASHLIB_REQUIRE_LIBTPU") == "1":  # set by `make test`: CI must really compile

@@ -108,6 +108,10 @@ def softmax_in_float32(x, axis=-1):  # returns float32 for bfloat16 logits
     return nb01.stable_softmax_solution(x.astype(jnp.float32), axis=axis)
 
 
+def softmax_default_axis_first(x, axis=0):  # a mutant of the solution: the default axis is not the last one
+    return nb01.stable_softmax_solution(x, axis=axis)
+
+
 def test_stable_softmax_stub_falls_back_to_the_solution(capsys):
     assert nb01.STABLE_SOFTMAX.use(_stub) is nb01.stable_softmax_solution
     assert "not attempted yet" in capsys.readouterr().out
@@ -127,6 +131,7 @@ def softmax_masks_with_a_big_number(x, axis=-1):  # -inf -> -1e9: a row of only 
     (jax.nn.softmax, "case 'a row where every entry is -inf"),
     (softmax_last_axis_only, "case 'axis=0 of a 3 x 5 matrix' — sums along axis 0"),
     (softmax_in_float32, "case 'bfloat16 logits.*dtype float32, expected x's dtype bfloat16"),
+    (softmax_default_axis_first, "case 'called without axis'.*the default must be the last axis"),
 ])
 def test_stable_softmax_wrong_answers_fail_with_their_hint(wrong, message):
     with pytest.raises(CheckFailed, match=message):

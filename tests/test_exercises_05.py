@@ -24,15 +24,15 @@ def _stub(*args, **kwargs):
 
 
 def _add_bias(tile_map, bias_map, grid_rows_outside=False, out_map=None, bias_block=(1, 128), grid=None,
-              broadcast=False):
+              broadcast=False, tile=(8, 128), row_block=8):
     def add_bias(x, b, *, interpret=True):
         def kernel(x_ref, b_ref, o_ref):
             o_ref[...] = x_ref[...] + b_ref[...]
 
-        rows, cols = x.shape[0] // 8, x.shape[1] // 128
+        rows, cols = x.shape[0] // row_block, x.shape[1] // 128
         return pl.pallas_call(kernel, grid=grid or ((rows, cols) if grid_rows_outside else (cols, rows)),
-                              in_specs=[pl.BlockSpec((8, 128), tile_map), pl.BlockSpec(bias_block, bias_map)],
-                              out_specs=pl.BlockSpec((8, 128), out_map or tile_map),
+                              in_specs=[pl.BlockSpec(tile, tile_map), pl.BlockSpec(bias_block, bias_map)],
+                              out_specs=pl.BlockSpec(tile, out_map or tile_map),
                               out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
                               interpret=interpret)(x, jnp.broadcast_to(b, x.shape) if broadcast else b)
     return add_bias
@@ -63,6 +63,11 @@ def test_add_bias_stub_falls_back_to_the_solution(capsys):
     (_add_bias(lambda j, i: (i, j), lambda j, i: (0, j), grid=(4, 4)), r"outside its array \(16, 384\).*: the grid is "
      r"\(x.shape\[1\] // 128, x.shape\[0\] // 8\), from x's shape"),
     # b broadcast to [M, N] outside the kernel, then tiled like x: right numbers, an [M, N] bias in HBM
+    # mutants of the solution (tests/mutants.py): a (9, 128) tile, right numbers in interpret mode, rejected by
+    # Mosaic; the row count by // 7, one step past x's rows once there are 8 row blocks
+    (_add_bias(lambda j, i: (i, j), lambda j, i: (0, j), tile=(9, 128)), r"does not lower for TPU: .*block \(9, 128\)"),
+    (_add_bias(lambda j, i: (i, j), lambda j, i: (0, j), row_block=7),
+     r"case 'x \[64, 128\]: 8 row blocks.*outside its array \(64, 128\)"),
     (_add_bias(lambda j, i: (i, j), lambda j, i: (i, j), bias_block=(8, 128), broadcast=True),
      r"kernel inputs of shapes \[\(16, 384\), \(16, 384\)\], expected one pallas_call taking the 2 arrays given, as"),
 ])

@@ -4,6 +4,9 @@ and the solution (it passes)."""
 
 from __future__ import annotations
 
+import inspect
+import textwrap
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -152,10 +155,32 @@ def test_block_kind_with_a_non_strict_edge_fails(which, message):
         nb09.check_block_kind(_non_strict(*which))
 
 
+def _solution_with(old: str, new: str):
+    """The solution with one edit: the survivors of mutation testing (tests/mutants.py), now killed."""
+    source = textwrap.dedent(inspect.getsource(nb09.block_kind_solution))
+    assert source.count(old) == 1
+    namespace = dict(nb09.block_kind_solution.__globals__)
+    exec(source.replace(old, new), namespace)  # noqa: S102 - the solution's own source, edited
+    return namespace["block_kind_solution"]
+
+
+@pytest.mark.parametrize("old, new, message", [
+    ("if last_key >= kv_len:", "if last_key > kv_len:", "'no mask, 16 queries over 23 keys.*padded keys "
+     "\\(positions >= kv_len\\) must be masked"),
+    ("min(right, 0)", "min(right, 1)", "'window \\(4, 2\\) with causal, 16 x 16.*whatever the window's right side "
+     "says: the band's right side is min\\(right, 0\\)"),
+    ("min(right, 0)", "min(right, -1)", "'window \\(4, 2\\) with causal, 16 queries over 17 keys"),
+    ("right = 0 if right is None", "right = -1 if right is None", "'causal, 16 queries over 17 keys"),
+])
+def test_block_kind_mutants_of_the_solution_fail(old, new, message):
+    with pytest.raises(CheckFailed, match=message):
+        nb09.check_block_kind(_solution_with(old, new))
+
+
 def test_block_kind_solution_and_an_element_wise_rewrite_pass(capsys):
     nb09.check_block_kind(_non_strict())  # all four strict: the solution, rewritten
     nb09.check_block_kind(nb09.block_kind_solution)
-    assert capsys.readouterr().out.startswith("passed: block_kind agrees with flashlib.geometry on all 11 grids")
+    assert capsys.readouterr().out.startswith("passed: block_kind agrees with flashlib.geometry on all 15 grids")
     nb09.check_block_kind(_block_kind())
 
 

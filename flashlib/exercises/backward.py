@@ -143,13 +143,13 @@ def _check_probabilities(probabilities) -> None:
         "the diagonal tile (query block 1, key block 0 of 32 x 64 blocks, q_len = kv_len)": (1, 0, 32, 64, True, 0),
         "a tile with offset 64 (query block 0, key block 1, q_len 64 < kv_len 128)": (0, 1, 32, 64, True, 64),
     }.items():
-        q, k = rng.normal(size=(bq, 32)), rng.normal(size=(bk, 32))
-        s = q @ k.T / np.sqrt(32)
+        q, k = rng.normal(size=(bq, 16)), rng.normal(size=(bk, 16))  # head_dim 16: no block is [16, 16]
+        s = q @ k.T / np.sqrt(16)
         lse = np.log(np.exp(s).sum(axis=1, keepdims=True)) + 1.0  # as if the row had more keys elsewhere
         visible = (kv_block * bk + np.arange(bk)[None]) <= (q_block * bq + np.arange(bq)[:, None] + offset)
         want = np.where(visible | (not causal), np.exp(s - lse), 0.0)
         got = np.asarray(probabilities(*(jnp.asarray(x, jnp.float32) for x in (q, k, lse)), jnp.int32(q_block),
-                                       jnp.int32(kv_block), scale=32**-0.5, causal=causal, offset=offset), np.float64)
+                                       jnp.int32(kv_block), scale=16**-0.5, causal=causal, offset=offset), np.float64)
         where = f"failed: probabilities, {name} —"
         if got.shape != want.shape or not np.isfinite(got).all():
             raise CheckFailed(f"{where} shape {got.shape} (expected {want.shape}) or NaN/inf: [block_q, block_k], "

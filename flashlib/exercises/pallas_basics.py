@@ -4,12 +4,16 @@ kernel to debug.
 
 Kernels run in TPU interpret mode (``pltpu.InterpretParams()``): an out-of-bounds block index is an error there
 (plain interpret mode clamps it, and a wrong map passes), and fresh scratch is NaN. What a run cannot show the
-checkers read from the ``pallas_call`` itself (its jaxpr): the grid, each index map, and the dimension semantics.
+checkers read from the ``pallas_call`` itself (its jaxpr): the grid, each index map, and the dimension semantics;
+what only the chip's compiler rejects (a block off the (8, 128) tiling) they ask Mosaic, by lowering for TPU.
+
+Longer than 400 lines because the jaxpr inspection the three kernel checkers share lives here, beside them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import re
 from collections.abc import Callable, Iterator, Sequence
@@ -22,6 +26,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from flashlib import tpu_compile
 from flashlib.checks import CheckFailed
 from flashlib.exercises.pallas_basics_solutions import add_bias_solution, matmul_kernel_solution, matmul_solution
 from flashlib.exercises.puzzle import Puzzle
@@ -152,7 +157,8 @@ def check_add_bias(add_bias: Callable[..., Any]) -> None:
             "in the grid's order, (j, i), and returns one block index per array dimension, (row block, column block); "
             "b has a single row of blocks")
     for case, (m, n) in [("x [16, 384]: 2 row blocks, 3 column blocks", (16, 384)),
-                         ("x [32, 512]: 4 x 4 blocks", (32, 512)), ("x [8, 256]: one row block", (8, 256))]:
+                         ("x [32, 512]: 4 x 4 blocks", (32, 512)), ("x [8, 256]: one row block", (8, 256)),
+                         ("x [64, 128]: 8 row blocks, one column block", (64, 128))]:
         x, b = jnp.asarray(rng.normal(size=(m, n)), jnp.float32), jnp.asarray(rng.normal(size=(1, n)), jnp.float32)
         with _tpu_interpret("add_bias", case, maps):
             got = add_bias(x, b, interpret=pltpu.InterpretParams())
@@ -162,12 +168,16 @@ def check_add_bias(add_bias: Callable[..., Any]) -> None:
                               "and the output's maps name block (i, j))")
         _values("add_bias", case, got, np.asarray(x) + np.asarray(b), "that block got another block's x or "
                 "b: x's and the output's maps name the same block (i, j), b's map names column block j", atol=1e-6)
+    lowered = tpu_compile.lower_for_tpu(functools.partial(add_bias, interpret=False), x, b)
+    if not lowered.ok:  # interpret mode takes any block shape; Mosaic, which compiles for the chip, does not
+        raise CheckFailed(f"failed: add_bias — it does not lower for TPU: {lowered.summary}; x's tile is (8, 128), "
+                          "b's (1, 128) (a block dimension equal to the array's whole dimension is allowed too)")
     copies, blocks = call.copies(1)
     if copies != blocks:
         raise CheckFailed(f"failed: add_bias — b's block is copied {copies} times for its {blocks} different "
                           "blocks (a copy each time its index changes from the previous step): put the column axis "
                           "outside, grid (N // 128, M // 8), so that b's index stays the same for the inner steps")
-    print("passed: add_bias in TPU interpret mode (3 shapes), each block of b copied once")
+    print("passed: add_bias in TPU interpret mode (4 shapes), lowers for TPU, each block of b copied once")
 
 
 ADD_BIAS = Puzzle("puzzle 1: add a bias row", check_add_bias, add_bias_solution, (

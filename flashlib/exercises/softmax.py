@@ -188,6 +188,12 @@ def check_stable_softmax(stable_softmax: Callable) -> None:
     cases = _softmax_cases()
     for case, x, axis, nan_hint in cases:
         _check_softmax_case(stable_softmax(x, axis=axis), x, axis, case, nan_hint)
+    x = jnp.asarray(np.random.default_rng(5).normal(size=(2, 3, 5)) * 3.0, jnp.float32)  # [b, q, k]
+    try:
+        _check_softmax_case(stable_softmax(x), x, -1, "called without axis", "")
+    except CheckFailed as failure:
+        raise CheckFailed(f"{failure} — the default must be the last axis: `def stable_softmax(x, axis=-1)`, as "
+                          "jax.nn.softmax's") from None
     print(f"passed: stable_softmax in all {len(cases)} cases (overflow, underflow, -inf entries and rows, axis, "
           "bfloat16)")
 

@@ -6,7 +6,11 @@ checkers of exercises 1-2 (a window's compacted grid and its copies; the weight 
 The checkers judge the learner against the library's own rules — :mod:`flashlib.masks` for elements,
 :mod:`flashlib.geometry` for blocks — on many cases (``q_len != kv_len`` both ways, rows that see no key,
 ``None`` sides, lengths that are not multiples of the blocks), and name the likely mistake when an answer
-matches a known wrong rule."""
+matches a known wrong rule.
+
+Longer than 400 lines because each puzzle's cases and suspects (the wrong rules its messages name, found by
+mutation testing: ``tests/mutants.py``) sit beside its checker, which is how a reader checks one against the
+other."""
 
 from __future__ import annotations
 
@@ -142,6 +146,15 @@ _BLOCK_CASES = [  # (words, q_len, kv_len, block_q, block_k, causal, window)
      16, 16, 4, 4, False, (1, 4)),
     ("window (3, 3), 16 x 16, blocks 4 x 4 (block (0, 0)'s corner keys lie exactly on the band's edges)",
      16, 16, 4, 4, False, (3, 3)),
+    # Causal caps a window's right side at 0 (not 1, not -1), and one padded key is still padding
+    ("window (4, 2) with causal, 16 x 16, blocks 4 x 4 (causal wins: the right side is 0, not 2)",
+     16, 16, 4, 4, True, (4, 2)),
+    ("window (4, 2) with causal, 16 queries over 17 keys, blocks 4 x 4 (the diagonal lands on block (0, 1)'s "
+     "first key)", 16, 17, 4, 4, True, (4, 2)),
+    ("causal, 16 queries over 17 keys, blocks 4 x 4 (the diagonal lands on block (0, 1)'s first key)",
+     16, 17, 4, 4, True, None),
+    ("no mask, 16 queries over 23 keys, blocks 8 x 8 (the last key block has exactly one padded key)",
+     16, 23, 8, 8, False, None),
 ]
 
 
@@ -203,7 +216,15 @@ def _block_top_left(i, j, *, q_len, kv_len, **kw):
     return block_kind_solution(i, j, q_len=kv_len, kv_len=kv_len, **kw)
 
 
+def _window_right_uncapped(i, j, *, causal, window, **blocks):  # a window's right side kept beyond the diagonal
+    if causal and window is not None and window[1] is not None and window[1] > 0:
+        return _library_kind(i, j, causal=False, window=window, **blocks)
+    return _library_kind(i, j, causal=causal, window=window, **blocks)
+
+
 _BLOCK_SUSPECTS = [
+    (_window_right_uncapped, "with causal=True no row sees past its diagonal, whatever the window's right side "
+                             "says: the band's right side is min(right, 0)"),
     (_block_top_left, "alignment: bottom-right — query row r's diagonal key is r + (kv_len - q_len)"),
     (_no_padding, "a block holding padded keys (positions >= kv_len) must be masked even inside the band"),
     (_first_row_skips, "skip only when no row of the block sees any key: the last row reaches furthest right"),
