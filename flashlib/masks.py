@@ -19,6 +19,14 @@ offset`` (the last query with the last key, the KV-cache convention of FlashAtte
 
 All combine with each other, with ``causal`` and ``scale``, at any lengths. A row that sees no key returns
 zeros (with sinks too: the sink carries no value).
+
+NaN (or inf) in what a row cannot see. A *key* a row cannot see never reaches it: its score is replaced before the
+softmax, on every implementation. A *value* a row cannot see is multiplied by a probability of exactly 0, and
+``0 * NaN`` is NaN: in :func:`flashlib.attention` a NaN value reaches every row that shares a score tile with it —
+every row for ``"reference"`` and ``"xla"``, the rows of the blocks that are not skipped for ``"blockwise"`` and
+``"pallas"``. So keep values finite (pad with zeros, not NaN). Decoding is the exception: a cache's positions
+``>= lengths[b]`` are never seen on any :func:`flashlib.kernels.decode_attention` impl, whatever they hold — their
+values are selected away, not multiplied (:mod:`flashlib.decode`). Both claims: ``tests/test_refusals.py``.
 """
 
 from __future__ import annotations

@@ -316,3 +316,21 @@ def test_gradients_inside_and_outside_a_mesh_context_agree(entry):
     np.testing.assert_allclose(jax.jit(jax.grad(loss))(q), want, atol=ATOL)
     with jax.set_mesh(mesh):
         np.testing.assert_allclose(jax.jit(jax.grad(loss))(q), want, atol=ATOL)
+
+
+# ---------------------------------------------------------------------------------------------------
+# What flashlib.masks says about NaN in a key or value a row cannot see
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("impl", ["reference", "blockwise", "xla", "pallas"])
+def test_nan_in_an_unseen_key_never_reaches_a_row_and_in_an_unseen_value_does(impl):
+    """The claim of :mod:`flashlib.masks`, on one score tile (8 tokens, causal: only the last row sees key 7)."""
+    q, k, v = _qkv(q_len=8, kv_len=8)
+    options = {"interpret": True} if impl == "pallas" else {}
+    run = jax.jit(functools.partial(flashlib.attention, causal=True, impl=impl, **options))
+    got = np.asarray(run(q, k.at[:, :, 7].set(jnp.nan), v))
+    np.testing.assert_allclose(got[:, :, :7], attention_oracle(q, k, v, causal=True)[:, :, :7], atol=ATOL)
+    assert np.isnan(got[:, :, 7]).all()  # the row that sees the NaN key
+    got = np.asarray(run(q, k, v.at[:, :, 7].set(jnp.nan)))
+    assert np.isnan(got).any(axis=-1).all(), "0 * NaN: every row of the tile, though only the last sees the value"
