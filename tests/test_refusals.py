@@ -21,11 +21,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import search_examples
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import flashlib
 from flashlib import decode
 from flashlib.kernels import decode_attention
-from flashlib.reference import attention_oracle
+from flashlib.reference import attention_oracle, attention_vjp_oracle
 from flashlib.ring import ring_attention
 from flashlib.sharded import sharded_attention
 
@@ -243,10 +246,10 @@ def test_sharded_attention_takes_segment_ids_on_the_default_mesh():
         return jnp.sum(out * out), out
 
     (_, out), dq = jax.jit(jax.value_and_grad(loss, has_aux=True))(q)  # one program: eager shard_map is slow
-    np.testing.assert_allclose(out, attention_oracle(q, k, v, segment_ids=ids, sinks=np.zeros(2)), atol=ATOL)
-    want = jax.grad(lambda q: jnp.sum(flashlib.attention(q, k, v, segment_ids=ids, sinks=jnp.zeros(2),
-                                                         impl="reference") ** 2))(q)
-    np.testing.assert_allclose(dq, want, atol=ATOL)
+    variants = {"segment_ids": ids, "sinks": np.zeros(2)}
+    exact = attention_oracle(q, k, v, **variants)
+    np.testing.assert_allclose(out, exact, atol=ATOL)
+    np.testing.assert_allclose(dq, attention_vjp_oracle(q, k, v, 2 * exact, **variants)[0], atol=ATOL)
 
 
 @pytest.mark.parametrize("entry", ["sharded", "ring"])
@@ -312,10 +315,11 @@ def test_gradients_inside_and_outside_a_mesh_context_agree(entry):
             return jnp.sum(sharded_attention(q, k, v, mesh=mesh, batch_axis="x", impl="reference") ** 2)
         return jnp.sum(ring_attention(q, k, v, mesh=mesh, seq_axis="x", impl="reference") ** 2)
 
-    want = jax.grad(lambda q: jnp.sum(flashlib.attention(q, k, v, impl="reference") ** 2))(q)
+    want = attention_vjp_oracle(q, k, v, 2 * attention_oracle(q, k, v))[0]  # d/dq sum(out^2): do = 2 out
     np.testing.assert_allclose(jax.jit(jax.grad(loss))(q), want, atol=ATOL)
-    with jax.set_mesh(mesh):
-        np.testing.assert_allclose(jax.jit(jax.grad(loss))(q), want, atol=ATOL)
+    if entry == "sharded":  # the ring's program is the same inside a mesh context: once is enough here
+        with jax.set_mesh(mesh):
+            np.testing.assert_allclose(jax.jit(jax.grad(loss))(q), want, atol=ATOL)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -334,3 +338,76 @@ def test_nan_in_an_unseen_key_never_reaches_a_row_and_in_an_unseen_value_does(im
     assert np.isnan(got[:, :, 7]).all()  # the row that sees the NaN key
     got = np.asarray(run(q, k, v.at[:, :, 7].set(jnp.nan)))
     assert np.isnan(got).any(axis=-1).all(), "0 * NaN: every row of the tile, though only the last sees the value"
+
+
+# ---------------------------------------------------------------------------------------------------
+# The search: a bad (or borderline) argument at one of the four doors
+# ---------------------------------------------------------------------------------------------------
+
+ENTRY_POINTS = ("attention", "decode", "sharded", "ring")
+IDS_OK = np.asarray([[0, 0, 1, 1]], np.int32)
+VALUES = {  # argument: values to try, good and bad (the oracle decides what a good one must give)
+    "scale": [None, 0.5, np.float32(0.25), np.int64(1), 0, -1.0, float("nan"), float("inf"), True, "0.5",
+              np.bool_(True), jnp.asarray(0.5)],
+    "causal": [False, True, np.bool_(True), "False", 0, 1, None, "yes"],
+    "window": [(2, 0), (None, 1), (0, None), (-1, 0), 3, (1.5, 0), (True, 0), (1, 2, 3)],
+    "softcap": [30.0, np.float32(5.0), 0, -1.0, float("nan"), True, "30"],
+    "segment_ids": [(IDS_OK, IDS_OK), (IDS_OK.astype(np.int64) + 2**31 - 2, IDS_OK.astype(np.int64) + 2**31 - 2),
+                    (IDS_OK.astype(np.int64) + 2**31, IDS_OK), (IDS_OK, IDS_OK.astype(np.uint32) + 2**31),
+                    (IDS_OK.astype(np.float32), IDS_OK), (IDS_OK[:, :3], IDS_OK), IDS_OK,
+                    (IDS_OK.astype(bool), IDS_OK)],
+    "sinks": [np.zeros(2, np.float32), np.asarray([-np.inf, 1.0], np.float32), np.asarray([np.nan, 0.0], np.float32),
+              np.asarray([np.inf, 0.0], np.float32), np.zeros(2, np.int32), np.zeros(3, np.float32)],
+    "interpret": [True, False, None, "x", 1, np.bool_(True)],
+    "layout": ["bhsd", "bshd", "BSHD", None, "bhds"],
+}
+TAKES = {  # the arguments each door takes (any other is refused by name, or is not a keyword at all)
+    "attention": ("scale", "causal", "window", "softcap", "segment_ids", "sinks", "layout"),
+    "decode": ("scale", "softcap", "window", "interpret"),
+    "sharded": ("scale", "causal", "window", "softcap", "segment_ids", "sinks", "layout"),
+    "ring": ("scale", "causal", "layout", "window", "segment_ids", "sinks"),  # variants: refused as worker options
+}
+
+
+def _call(entry, argument, value):
+    """``(got, want)``: the door's output and the float64 oracle's answer, or a ValueError from the door. Every
+    call runs as one compiled program whose inputs are constants (concrete: their values are checked)."""
+    q, k, v = _qkv(q_len=4, kv_len=4)
+    given = {argument: value}
+    if entry == "decode":
+        cache = decode.KVCache(k, v, jnp.asarray([3], jnp.int32))
+        q1 = q[:, :, :1]
+        got = jax.jit(lambda: decode_attention(q1, cache, impl="reference", **given))()
+        options = {n: given[n] for n in ("scale", "softcap", "window") if n in given}
+        return got, decode.decode_oracle(q1, cache, **options)
+    layout = given.pop("layout", "bhsd")
+    arrays = [x.transpose(0, 2, 1, 3) for x in (q, k, v)] if layout == "bshd" else [q, k, v]
+    if argument == "layout":
+        given["layout"] = layout
+    mesh = _mesh()
+    door = {"attention": functools.partial(flashlib.attention, impl="reference"),
+            "sharded": functools.partial(sharded_attention, mesh=mesh, batch_axis="x", head_axis=None,
+                                         impl="reference"),
+            "ring": functools.partial(ring_attention, mesh=mesh, seq_axis="x", impl="reference")}[entry]
+    got = jax.jit(lambda: door(*arrays, **given))()
+    if layout == "bshd":
+        got = got.transpose(0, 2, 1, 3)
+    exact = {n: x for n, x in given.items() if n != "layout"}
+    if "causal" in exact:
+        exact["causal"] = bool(exact["causal"])
+    return got, attention_oracle(q, k, v, **exact)
+
+
+@settings(max_examples=search_examples(25))
+@given(entry=st.sampled_from(ENTRY_POINTS), data=st.data())
+def test_bad_inputs_are_refused_or_answered_right(entry, data):
+    """Every door, every shared argument: a ValueError naming the argument, or the oracle's answer."""
+    argument = data.draw(st.sampled_from(sorted(set(TAKES[entry]) | {"scale"})), label="argument")
+    value = data.draw(st.sampled_from(VALUES[argument]), label="value")
+    try:
+        got, want = _call(entry, argument, value)
+    except ValueError as error:
+        assert argument in str(error), f"{entry}({argument}={value!r}) refused without naming it: {error}"
+        return
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=ATOL,
+                               err_msg=f"{entry}({argument}={value!r}) accepted: it must give the oracle's answer")
