@@ -137,7 +137,8 @@ def test_tiled_scores_other_styles_pass(valid, capsys):
 # -- puzzle 2: tiled O = P V -----------------------------------------------------------------------------------------
 
 
-def _pv(p, v, block_q, block_k, matmul, *, accumulate=True, last_key_tile=True, whole_rows=False, reset=True):
+def _pv(p, v, block_q, block_k, matmul, *, accumulate=True, last_key_tile=True, whole_rows=False, reset=True,
+        renormalise=False):
     out = jnp.zeros((p.shape[0], v.shape[1]))
     k_end = p.shape[1] if last_key_tile else p.shape[1] - p.shape[1] % block_k
     acc = jnp.zeros((block_q, v.shape[1]))
@@ -148,7 +149,9 @@ def _pv(p, v, block_q, block_k, matmul, *, accumulate=True, last_key_tile=True, 
         if reset:
             acc = jnp.zeros((p[i : i + block_q].shape[0], v.shape[1]))
         for j in range(0, k_end, block_k):
-            product = matmul(p[i : i + block_q, j : j + block_k], v[j : j + block_k])
+            tile = p[i : i + block_q, j : j + block_k]
+            tile = tile / tile.sum(axis=1, keepdims=True) if renormalise else tile
+            product = matmul(tile, v[j : j + block_k])
             acc = acc + product if accumulate else product
         out = out.at[i : i + block_q].set(acc)
     return out
@@ -170,6 +173,10 @@ def pv_acc_never_reset(p, v, block_q, block_k, matmul=jnp.matmul):  # acc = zero
     return _pv(p, v, block_q, block_k, matmul, reset=False)
 
 
+def pv_renormalised_tiles(p, v, block_q, block_k, matmul=jnp.matmul):  # each tile softmaxed again on its own
+    return _pv(p, v, block_q, block_k, matmul, renormalise=True)
+
+
 def test_tiled_pv_stub_is_not_attempted(capsys):
     def tiled_pv(p, v, block_q, block_k, matmul=jnp.matmul):
         raise NotImplementedError  # your code here
@@ -183,6 +190,7 @@ def test_tiled_pv_stub_is_not_attempted(capsys):
     (pv_drop_last_key_tile, "neither length divides its block.* the last, shorter key tile is missing"),
     (pv_whole_rows, "not tiled: a call multiplied \\[16, 48\\] @ \\[48, 8\\]"),
     (pv_acc_never_reset, "case 'the lengths divide the blocks' — acc carries over from the previous query tile"),
+    (pv_renormalised_tiles, "case 'the lengths divide the blocks' — each P tile is re-normalised by its own row sums"),
 ])
 def test_tiled_pv_wrong_answers_fail_with_their_hint(wrong, message):
     with pytest.raises(CheckFailed, match=message):

@@ -129,11 +129,11 @@ def _causal_map(*, clamp=True, minus_one=True, floordiv=False):
 
 
 def _causal_kernel(*, skip=True, mask=True, aligned=True, floordiv=False, masked_value=MASK_VALUE,
-                   finalize_on_last_visible=False):
+                   finalize_on_last_visible=False, m0=-jnp.inf):
     def kernel(q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref, *, scale, offset):
         block_q, block_k = q_ref.shape[0], k_ref.shape[0]
         i, j = pl.program_id(2), pl.program_id(3)
-        pl.when(j == 0)(lambda: _init(m_ref, l_ref, acc_ref))
+        pl.when(j == 0)(lambda: _init(m_ref, l_ref, acc_ref, m0))
 
         def body():
             s = _scores(q_ref, k_ref, scale)
@@ -167,7 +167,10 @@ def test_causal_stub_falls_back_to_the_solution(capsys):
     ((_causal_map(), _causal_kernel(aligned=False)), "the mask is aligned top-left"),
     ((_causal_map(floordiv=True), _causal_kernel()), "the index map divides a traced int with //.* lax.div"),
     ((_causal_map(), _causal_kernel(floordiv=True)), "the kernel divides a traced int with //.* lax.div"),
-], ids=["unclamped map", "off-by-one clamp", "no skip", "no mask", "top-left", "// in the map", "// in the kernel"])
+    # a mutant of the solution (tests/mutants.py): m started at 0
+    ((_causal_map(), _causal_kernel(m0=0.0)), "every score far below zero .* the running max m starts at 0"),
+], ids=["unclamped map", "off-by-one clamp", "no skip", "no mask", "top-left", "// in the map", "// in the kernel",
+        "m starts at 0"])
 def test_causal_wrong_answers_fail_with_their_hint(wrong, message):
     with pytest.raises(CheckFailed, match=message):
         nb06.check_causal(wrong)

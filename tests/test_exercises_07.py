@@ -25,11 +25,11 @@ def _stub(*args, **kwargs):
 # -- wrong answers: the solution with one mistake ---------------------------------------------------------------
 
 
-def probabilities_with(*, subtract_lse=True, mask=True, masked=MASK_VALUE, always_mask=False):
+def probabilities_with(*, subtract_lse=True, mask=True, masked=MASK_VALUE, always_mask=False, q_axis=0):
     def probabilities(q_ref, k_ref, lse_ref, q_block, kv_block, *, scale, causal, offset):
         s = lax.dot_general(q_ref[...], k_ref[...], NT_DIMS, preferred_element_type=jnp.float32) * scale
         if (causal or always_mask) and mask:
-            q_pos = q_block * q_ref.shape[0] + lax.broadcasted_iota(jnp.int32, s.shape, 0)
+            q_pos = q_block * q_ref.shape[q_axis] + lax.broadcasted_iota(jnp.int32, s.shape, 0)
             kv_pos = kv_block * k_ref.shape[0] + lax.broadcasted_iota(jnp.int32, s.shape, 1)
             s = jnp.where(kv_pos <= q_pos + offset, s, masked)
         return jnp.exp(s - lse_ref[...]) if subtract_lse else jnp.exp(s)
@@ -37,14 +37,16 @@ def probabilities_with(*, subtract_lse=True, mask=True, masked=MASK_VALUE, alway
 
 
 def dkv_kernel_with(*, subtract_d=True, scale_dk=True, skip=True, zero=True, scale_dv=False, zero_at_first=False,
-                    write_every_step=False):
+                    write_every_step=False, init_axis=3):
     def dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, d_ref, dk_ref, dv_ref, dk_acc, dv_acc, *, scale, causal,
                    offset):
         kv_block, q_block = pl.program_id(2), pl.program_id(3)
 
         first = nb07.first_q_block(kv_block, q_ref.shape[0], k_ref.shape[0], offset)
 
-        @pl.when(q_block == (first if zero_at_first and causal else 0))  # the first visited step is as good
+        init_block = q_block if init_axis == 3 else kv_block  # axis 2: the key block's, which stays for its steps
+
+        @pl.when(init_block == (first if zero_at_first and causal else 0))  # the first visited step is as good
         def init():
             dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
             if zero:  # without it dV sums onto whatever the scratch held (NaN under InterpretParams)
@@ -68,11 +70,11 @@ def dkv_kernel_with(*, subtract_d=True, scale_dk=True, skip=True, zero=True, sca
     return dkv_kernel
 
 
-def dq_kernel_with(*, subtract_d=True, scale_dq=True, skip=True):
+def dq_kernel_with(*, subtract_d=True, scale_dq=True, skip=True, init_axis=3):
     def dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, d_ref, dq_ref, dq_acc, *, scale, causal, offset):
         q_block, kv_block = pl.program_id(2), pl.program_id(3)
 
-        @pl.when(kv_block == 0)
+        @pl.when((kv_block if init_axis == 3 else q_block) == 0)
         def init():
             dq_acc[...] = jnp.zeros(dq_acc.shape, jnp.float32)
 
@@ -104,6 +106,10 @@ def last_kv_block_one_too_far(i, block_q, block_k, offset):  # the first key the
     return lax.div(jnp.maximum((i + 1) * block_q + offset, 0), block_k)
 
 
+def last_kv_block_one_short(i, block_q, block_k, offset):  # a mutant: the last query's last key, minus one
+    return lax.div(jnp.maximum((i + 1) * block_q - 2 + offset, 0), block_k)
+
+
 def last_kv_block_unclamped(i, block_q, block_k, offset):  # -1 for a query block that sees no key
     return lax.div((i + 1) * block_q - 1 + offset, block_k)
 
@@ -123,11 +129,16 @@ def test_dkv_stub_is_not_attempted(capsys):
     ((probabilities_with(mask=False), DKV[1], DKV[2]), "the diagonal tile .* no causal mask"),
     ((probabilities_with(always_mask=True), DKV[1], DKV[2]), "a non-causal tile — the tile is masked although causal "
                                                              "is False"),
+    # a mutant (tests/mutants.py): the query block's length read from the head_dim axis
+    ((probabilities_with(q_axis=1), DKV[1], DKV[2]), "failed: probabilities, the diagonal tile"),
     ((DKV[0], first_q_block_no_offset, DKV[2]), r"first_q_block\(1, block_q=32, block_k=64, offset=128\) is 2, "
                                                 "expected 0 — the first query block"),
     ((DKV[0], first_q_block_unclamped, DKV[2]), r"offset=128\) is -4, expected 0 \(an index map .* clamp at 0\)"),
     ((DKV[0], DKV[1], dkv_kernel_with(subtract_d=False)), r"case 'non-causal.* dk is wrong: .*subtract D"),
     ((DKV[0], DKV[1], dkv_kernel_with(scale_dk=False)), r"case 'non-causal.* dk is 1/scale too large"),
+    # init under the key axis: zeroed only for the first key block (the issue's: it was told about dS)
+    ((DKV[0], DKV[1], dkv_kernel_with(init_axis=2)), r"case 'non-causal.* dk has NaN: zero the accumulator at the "
+                                                     "first step of the inner axis"),
     ((DKV[0], DKV[1], dkv_kernel_with(zero=False)), r"case 'non-causal.* dv has NaN: zero the accumulator"),
     ((DKV[0], DKV[1], dkv_kernel_with(scale_dv=True)), r"case 'non-causal.* dv is scale times too small: dV = P\^T dO "
                                                        "has no scale"),
@@ -164,10 +175,13 @@ def test_dq_stub_is_not_attempted(capsys):
 
 @pytest.mark.parametrize("wrong, message", [
     ((last_kv_block_one_too_far, DQ[1]), r"last_kv_block\(1, block_q=32, block_k=64, offset=0\) is 1, expected 0 — "),
+    ((last_kv_block_one_short, DQ[1]), r"last_kv_block\(1, block_q=32, block_k=64, offset=1\) is 0, expected 1 — "),
     ((last_kv_block_unclamped, DQ[1]), r"last_kv_block\(0, block_q=64, block_k=32, offset=-128\) is -2, "
                                        r"expected 0 \(an index map .* clamp at 0\)"),
     ((DQ[0], dq_kernel_with(subtract_d=False)), r"case 'non-causal.* dq is wrong: .*subtract D"),
     ((DQ[0], dq_kernel_with(scale_dq=False)), r"case 'non-causal.* dq is 1/scale too large"),
+    ((DQ[0], dq_kernel_with(init_axis=2)), r"case 'non-causal.* dq has NaN: zero the accumulator at the first step "
+                                           "of the inner axis"),
     ((DQ[0], dq_kernel_with(skip=False)), r"case 'causal, q_len = kv_len.* dq has NaN: the body ran on a step the "
                                           "causal mask hides"),
 ])

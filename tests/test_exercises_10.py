@@ -41,6 +41,11 @@ def _unsafe_merge(states):  # rescales against the new maximum itself: NaN where
     return acc / l[..., None]
 
 
+def _no_rescale(states):  # acc and l summed as they are: each split measured against its own maximum
+    acc, l = sum(s.acc for s in states), sum(s.l for s in states)  # noqa: E741
+    return jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+
+
 def _last_split_only(states):
     return reference.state_output(states[-1])
 
@@ -48,6 +53,7 @@ def _last_split_only(states):
 @pytest.mark.parametrize("answer, message", [
     (_averaged, "the splits' outputs are averaged"),
     (_unsafe_merge, "NaN in the output"),
+    (_no_rescale, "acc and l are added without rescaling: .* exp\\(m_split - m_max\\)"),
     (_last_split_only, "max error"),
 ])
 def test_wrong_combinations_are_named(answer, message):

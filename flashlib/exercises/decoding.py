@@ -69,6 +69,14 @@ def check_combine_splits(combine_splits: Callable[[Sequence[SoftmaxState]], Any]
                 raise CheckFailed(f"failed: combine_splits, case '{case}' — the splits' outputs are averaged: each "
                                   "split's share of the softmax is its l e^m, not 1 / num_splits; merge the states "
                                   "(m, l, acc) first, then normalise once")
+            acc_sum = sum(np.asarray(s.acc, np.float64) for s in states)
+            l_sum = sum(np.asarray(s.l, np.float64) for s in states)[..., None]
+            with np.errstate(invalid="ignore", divide="ignore"):
+                unscaled = np.where(l_sum > 0, acc_sum / np.where(l_sum > 0, l_sum, 1.0), 0.0).reshape(want.shape)
+            if np.allclose(got, unscaled, atol=1e-5):
+                raise CheckFailed(f"failed: combine_splits, case '{case}' — acc and l are added without rescaling: "
+                                  "each split's acc and l are measured against its own maximum m; multiply each by "
+                                  "exp(m_split - m_max) before adding (what merge_states does), then acc / l")
             raise CheckFailed(f"failed: combine_splits, case '{case}' — max error {np.max(np.abs(got - want)):.3g} "
                               "against the float64 oracle: merge every split's state exactly once, then acc / l")
     print(f"passed: combine_splits merges the splits into the oracle's output in all {len(_split_cases())} cases")

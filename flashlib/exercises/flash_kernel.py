@@ -314,8 +314,16 @@ def check_causal(answer) -> None:
         if not np.isfinite(np.asarray(out)).all():
             raise CheckFailed(f"failed: causal kernel, case '{case}' — right numbers, but the body runs on skipped "
                               "steps (handed a block of NaN, it made NaN): put it under pl.when(kv_block <= last)")
+    case, q_len, kv_len, bq, bk = _CAUSAL_CASES[0]  # every score far below zero (q near -3, k near 9: about -150)
+    q, k, v = _qkv(len(_CAUSAL_CASES), q_len, kv_len)
+    q, k = -3.0 + 0.2 * q, 9.0 + 0.2 * k
+    out = _call(functools.partial(kernel, offset=kv_len - q_len), q, k, v, block_q=bq, block_k=bk, kv_map=index_map)
+    if not _fits(out, q, k, v, causal=True):
+        raise CheckFailed(f"failed: causal kernel, case '{case}, every score far below zero (about -150)' — the "
+                          "running max m starts at 0, not -inf? exp(s - 0) underflows to 0 for every key, so l stays "
+                          "0 and the row comes out 0 or NaN: start m at -inf, so the first block's maximum replaces it")
     copies = ", ".join(str(1 + int(np.count_nonzero(np.diff(blocks)))) for blocks in named)
-    print(f"passed: causal kernel matches causal attention in all {len(_CAUSAL_CASES)} cases, skipped steps do no "
+    print(f"passed: causal kernel matches causal attention in all {len(_CAUSAL_CASES) + 1} cases, skipped steps do no "
           f"work, and the clamped index map copies {copies} k blocks where an unclamped one copies "
           f"{', '.join(str(len(blocks)) for blocks in named)}")
 

@@ -193,6 +193,11 @@ def check_tiled_pv(tiled_pv: Callable[..., Any]) -> None:
             tiles = (p64 @ v64).reshape(q_len // block_q, block_q, d)
             known["acc carries over from the previous query tile: start it at zero for each query tile, before "
                   "the key loop"] = np.cumsum(tiles, axis=0).reshape(q_len, d)
+        renormalised = sum(p64[:, j : j + block_k] / p64[:, j : j + block_k].sum(axis=1, keepdims=True)
+                           @ v64[j : j + block_k] for j in range(0, kv_len, block_k))
+        if kv_len > block_k:
+            known["each P tile is re-normalised by its own row sums: P's rows already sum to 1 over all the keys, "
+                  "so multiply each tile as it is (normalising belongs to the whole row, not to one tile)"] = renormalised
         if full not in (0, kv_len):
             known["the last, shorter key tile is missing: loop with range(0, kv_len, block_k) and let the slice "
                   "[j : j + block_k] stop at the end by itself"] = p64[:, :full] @ v64[:full]
