@@ -140,7 +140,8 @@ def ring_attention(
     if layout == "bshd":
         q, k, v = (jnp.asarray(x).transpose(_SWAP_SEQ_AND_HEADS) for x in (q, k, v))
     mesh = working_mesh(mesh, q, k, v)
-    run = jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, check_vma=False)
+    # one program, eagerly too (as sharded_attention: jax 0.7.2 refuses some ops run one by one on Explicit axes)
+    run = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, check_vma=False))
     if in_ring_order:
         out = run(*(place(x, mesh, spec) for x in (q, k, v)))
     else:

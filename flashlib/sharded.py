@@ -161,8 +161,10 @@ def sharded_attention(
     if layout == "bshd":
         q, k, v = (jnp.asarray(x).transpose(_SWAP_SEQ_AND_HEADS) for x in (q, k, v))
     mesh = working_mesh(mesh, q, k, v, extras)
-    run = jax.shard_map(per_device, mesh=mesh, in_specs=(spec, spec, spec, extra_specs), out_specs=spec,
-                        check_vma=False)  # Pallas calls carry no varying-axes annotations
+    # Pallas calls carry no varying-axes annotations (check_vma off). Compiled as one program, eagerly too: op by
+    # op, jax 0.7.2 refuses the body's einsum on Explicit axes inside jax.set_mesh (a gather's sharding rule)
+    run = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(spec, spec, spec, extra_specs), out_specs=spec,
+                                check_vma=False))
     extras = {name: place(value, mesh, extra_specs[name]) for name, value in extras.items()}
     out = run(*(place(x, mesh, spec) for x in (q, k, v)), extras)
     return out.transpose(_SWAP_SEQ_AND_HEADS) if layout == "bshd" else out

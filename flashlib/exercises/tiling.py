@@ -197,7 +197,8 @@ def check_tiled_pv(tiled_pv: Callable[..., Any]) -> None:
                            @ v64[j : j + block_k] for j in range(0, kv_len, block_k))
         if kv_len > block_k:
             known["each P tile is re-normalised by its own row sums: P's rows already sum to 1 over all the keys, "
-                  "so multiply each tile as it is (normalising belongs to the whole row, not to one tile)"] = renormalised
+                  "so multiply each tile as it is (normalising belongs to the whole row, not to one tile)"] = (
+                renormalised)
         if full not in (0, kv_len):
             known["the last, shorter key tile is missing: loop with range(0, kv_len, block_k) and let the slice "
                   "[j : j + block_k] stop at the end by itself"] = p64[:, :full] @ v64[:full]
