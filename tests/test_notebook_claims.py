@@ -6,6 +6,9 @@ the number, the prose must change with it (or be phrased so any plausible run ag
 
 from __future__ import annotations
 
+import ast
+import functools
+import importlib
 import json
 import re
 from pathlib import Path
@@ -207,3 +210,74 @@ def test_every_notebook_ends_with_references():
         cells = json.loads(path.read_text())["cells"]
         last = "".join(cells[-1]["source"]) if cells[-1]["cell_type"] == "markdown" else ""
         assert "## References" in last, f"{path.name}: end with a '## References' markdown cell"
+
+
+# ---------------------------------------------------------------------------------------------------
+# The prose names code that exists: files, private functions, flashlib.* attributes
+# ---------------------------------------------------------------------------------------------------
+
+ROOT = NOTEBOOKS.parent
+TICKED = re.compile(r"`([^`\n]+)`")
+PATH = re.compile(r"\b((?:flashlib|data|tests|notebooks)/[\w/.\-]+\.(?:py|csv|md|json|ipynb|txt))\b")
+PRIVATE = re.compile(r"(?<![\w.])(_[A-Za-z]\w*)")
+
+
+@functools.cache
+def _known_names() -> frozenset[str]:
+    """Names defined in flashlib and in JAX's Pallas TPU ops (which notebooks 06-08 read and quote)."""
+    import jax.experimental.pallas.ops.tpu as jax_tpu_ops  # noqa: PLC0415 - only this test reads JAX's sources
+
+    return frozenset(_names_defined_in(ROOT.glob("flashlib/**/*.py"))
+                     | _names_defined_in(Path(jax_tpu_ops.__file__).parent.glob("**/*.py")))
+
+
+def _names_defined_in(paths) -> set[str]:
+    """Every function, class and module-level (or class-level) name assigned in ``paths``."""
+    names = set()
+    for path in paths:
+        for node in ast.walk(ast.parse(Path(path).read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                names.add(node.name)
+            elif isinstance(node, ast.Assign):
+                names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                names.add(node.target.id)
+    return names
+
+
+def _quoted_code(notebook: Path):
+    """``(cell index, ticked text)`` of every inline-code span in the notebook's markdown cells."""
+    for index, cell in enumerate(json.loads(notebook.read_text())["cells"]):
+        if cell["cell_type"] == "markdown":
+            yield from ((index, tick) for tick in TICKED.findall("".join(cell["source"])))
+
+
+@pytest.mark.parametrize("notebook", sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb")), ids=lambda p: p.name)
+def test_the_prose_names_code_that_exists(notebook):
+    """Twice the library moved on and the prose did not (issue 26): a file path, a private name (``_foo``) or a
+    ``flashlib.x.y`` the markdown quotes must exist — in the repository; as a def, class or assignment in
+    flashlib, in the notebook's own code cells, or in JAX's Pallas TPU ops (which notebooks 06-08 read); as an
+    attribute flashlib has."""
+    known = set(_known_names())
+    cells = json.loads(notebook.read_text())["cells"]
+    code = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
+    known |= set(re.findall(r"(?:def|class)\s+(\w+)", code)) | set(re.findall(r"^(\w+)\s*=", code, re.M))
+    missing = []
+    for index, tick in _quoted_code(notebook):
+        missing += [f"cell {index}: {path}" for path in PATH.findall(tick) if not (ROOT / path).exists()]
+        missing += [f"cell {index}: {name}" for name in PRIVATE.findall(tick)
+                    if name not in known and not name.startswith("__")]
+        if re.fullmatch(r"flashlib(\.\w+)+(\(.*\))?", tick):
+            dotted = tick.split("(")[0].split(".")
+            for cut in range(len(dotted), 0, -1):
+                try:
+                    target = importlib.import_module(".".join(dotted[:cut]))
+                    break
+                except ImportError:
+                    continue
+            for attr in dotted[cut:]:
+                if not hasattr(target, attr):
+                    missing.append(f"cell {index}: {tick} ({attr} not found)")
+                    break
+                target = getattr(target, attr)
+    assert not missing, f"{notebook.name} quotes code that does not exist: {missing}"
