@@ -53,10 +53,14 @@ def place(x: Any, mesh: Mesh, spec: PartitionSpec) -> Any:
     if not _has_explicit_axes(mesh):
         return x
     # spec may be one PartitionSpec for every leaf of x, or a matching structure of them (segment ids' pair)
+    def put(a: Any, s: PartitionSpec) -> Any:  # concrete: device_put (jax 0.7.2's eager reshard of an
+        # unplaced array asks for a mesh context); traced: reshard, which types it on the Explicit axes
+        sharding = NamedSharding(mesh, s)
+        return jax.sharding.reshard(a, sharding) if isinstance(a, jax.core.Tracer) else jax.device_put(a, sharding)
+
     if isinstance(spec, PartitionSpec):
-        return jax.tree.map(lambda a: jax.sharding.reshard(a, NamedSharding(mesh, spec)), x)
-    return jax.tree.map(lambda a, s: jax.sharding.reshard(a, NamedSharding(mesh, s)), x, spec,
-                        is_leaf=lambda node: isinstance(node, PartitionSpec))
+        return jax.tree.map(lambda a: put(a, spec), x)
+    return jax.tree.map(put, x, spec, is_leaf=lambda node: isinstance(node, PartitionSpec))
 
 
 def _has_explicit_axes(mesh: Any) -> bool:
