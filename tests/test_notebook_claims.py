@@ -98,8 +98,9 @@ CLAIMS: dict[str, list[Claim]] = {
               r"32 grid steps: 12 computed, 8 masked, 12 skipped"),
         Claim("the grid has exactly the 12 + 8 steps that compute",
               r"32 grid steps: 12 computed, 8 masked, 12 skipped"),
-        Claim("Eight grid steps instead of 32",
-              r"grid steps per head: 8 with 512-key copies, 32 with one 128-key block per step"),
+        Claim("Six grid steps instead of 20 (and 8 instead of 32 for the full grids",
+              r"grid steps per head: 6 with 512-key copies, 20 with one 128-key block per step \(full grids: 8 and "
+              r"32\)"),
         Claim("where unchunked sub-blocks would run 8 full masked",
               r"128-key sub-blocks: 12 plain, 8 masked, 12 skipped"),
         Claim("the kernel runs 8 masked and 4 plain `128 × 128` chunks",
