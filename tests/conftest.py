@@ -208,14 +208,12 @@ def _schedule_rank(item) -> int:
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
-    ranks = {}
     for item in items:
         group = _xdist_group(item)
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))
-        ranks[item.nodeid] = _schedule_rank(item)
     if getattr(config, "workerinput", None) is not None:  # an xdist worker: its scheduler follows this order
-        items.sort(key=lambda item: ranks[item.nodeid])  # stable: a notebook's cells stay in order
+        items.sort(key=_schedule_rank)  # stable: a notebook's cells stay in order
     if env.has_libtpu():
         return
     if os.environ.get("FLASHLIB_REQUIRE_LIBTPU") == "1":  # set by `make test`: CI must really compile
