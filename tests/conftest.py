@@ -12,14 +12,22 @@ summary prints every worker's peak count of memory mappings, and the time spent 
 
 Search or smoke: ``FLASHLIB_SEARCH=smoke`` (set by ``make test-colab``) runs the property searches that
 re-check the same property with the same strategy in both environments (:func:`search_examples`) with a
-quarter of their examples, still drawn at random; the main environment runs the full search."""
+quarter of their examples, still drawn at random; the main environment runs the full search. In a module
+marked ``rotate_jnp_impls`` (the peer suites, the hard regimes' fixed cases) the smoke environment runs each
+fixed case on ``pallas`` (the kernel, whose code moves most between jax versions) and on one of the three
+implementations written in plain ``jax.numpy`` (reference, blockwise, xla), chosen per case by a hash of its
+id (:func:`_rotated_out`), so every jnp impl still meets about a third of the cases there; the main
+environment runs every case on every impl."""
 
 from __future__ import annotations
 
+import functools
 import gc
 import importlib
 import os
+import re
 import time
+import zlib
 from collections import defaultdict
 
 # Before jax is imported anywhere: run on the CPU even where libtpu is installed (it is, for the AOT
@@ -73,8 +81,9 @@ def _release_compiled_programs():
     _PEAK_MAPPINGS[0] = max(_PEAK_MAPPINGS[0], _memory_mappings())
 
 
-# A quarter of Linux's default vm.max_map_count: one module adds at most a few thousand mappings.
-CLEAR_CACHES_ABOVE = 16_000
+# Half of Linux's default vm.max_map_count: one module adds at most a few thousand mappings (at 16,000, a quarter,
+# each worker cleared 3 times a run and compiled the shared small programs again after each).
+CLEAR_CACHES_ABOVE = 32_000
 
 
 _PEAK_MAPPINGS = [0]
@@ -118,10 +127,17 @@ def make_qkv(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Random normal q, k, v in the flashlib layout."""
     kv_len = q_len if kv_len is None else kv_len
-    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
-    q = jax.random.normal(kq, (batch, heads, q_len, head_dim), jnp.float32).astype(dtype)
-    k = jax.random.normal(kk, (batch, heads, kv_len, head_dim), jnp.float32).astype(dtype)
-    v = jax.random.normal(kv, (batch, heads, kv_len, head_dim), jnp.float32).astype(dtype)
+    return _draw_qkv(jax.random.key(seed), q_shape=(batch, heads, q_len, head_dim),
+                     kv_shape=(batch, heads, kv_len, head_dim), dtype=jnp.dtype(dtype))
+
+
+@functools.partial(jax.jit, static_argnames=("q_shape", "kv_shape", "dtype"))
+def _draw_qkv(key, *, q_shape, kv_shape, dtype):
+    """One compiled program per shape (the same bits as op by op, which compiled ~8 programs per new shape)."""
+    kq, kk, kv = jax.random.split(key, 3)
+    q = jax.random.normal(kq, q_shape, jnp.float32).astype(dtype)
+    k = jax.random.normal(kk, kv_shape, jnp.float32).astype(dtype)
+    v = jax.random.normal(kv, kv_shape, jnp.float32).astype(dtype)
     return q, k, v
 
 
@@ -206,8 +222,30 @@ def _schedule_rank(item) -> int:
     return 0 if getattr(getattr(item, "obj", None), "is_hypothesis_test", False) else 1
 
 
+# The implementations behind flashlib.attention written in plain jax.numpy (no Pallas kernel).
+JNP_IMPLS = ("reference", "blockwise", "xla")
+
+
+def _rotated_out(item) -> bool:
+    """In the smoke environment, a fixed case (not a search) of a module marked ``rotate_jnp_impls`` on a
+    jnp impl other than the one its case hash picks: deselected there (the main environment runs it)."""
+    if SEARCH_MODE != "smoke" or item.get_closest_marker("rotate_jnp_impls") is None:
+        return False
+    if getattr(getattr(item, "obj", None), "is_hypothesis_test", False):
+        return False
+    impl = getattr(getattr(item, "callspec", None), "params", {}).get("impl")
+    if impl not in JNP_IMPLS:
+        return False
+    case = re.sub(rf"(?<![A-Za-z]){impl}(?![A-Za-z])", "", item.nodeid)  # the id without its impl
+    return JNP_IMPLS[zlib.crc32(case.encode()) % len(JNP_IMPLS)] != impl
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
+    rotated = [item for item in items if _rotated_out(item)]
+    if rotated:
+        config.hook.pytest_deselected(items=rotated)
+        items[:] = [item for item in items if not _rotated_out(item)]
     for item in items:
         group = _xdist_group(item)
         if group is not None:

@@ -47,6 +47,10 @@ interpret mode), and the float64 oracle costs O(batch * heads * q_len * kv_len *
   with causal off and on, the head dim turning through 16, 32, 64.
 * Repetitions: the race test's 250 runs and the deterministic test's 50 become 3 runs of one compiled
   function, on shapes the accuracy tests compile anyway.
+
+Smoke environment (``tests/conftest.py``, marker ``rotate_jnp_impls``): under ``make test-colab`` each fixed case
+here runs on pallas and on one of reference, blockwise and xla (chosen per case); ``make test`` runs every
+case on every impl.
 """
 
 from __future__ import annotations
@@ -62,6 +66,8 @@ import pytest
 import flashlib
 from flashlib.reference import attention_oracle, attention_vjp_oracle
 from peers import rules
+
+pytestmark = pytest.mark.rotate_jnp_impls
 
 
 @dataclasses.dataclass(frozen=True)

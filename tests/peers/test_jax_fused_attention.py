@@ -46,6 +46,10 @@ Cut, and why:
   up to 128 (``block_q`` and ``block_kv_dkv`` lie along sublanes and are kept); ``"reference"`` and ``"xla"``
   have no blocks.
 * ``test_return_residuals_not_differentiable``: flashlib's ``attention`` has no residual output.
+
+Smoke environment (``tests/conftest.py``, marker ``rotate_jnp_impls``): under ``make test-colab`` each fixed case
+here runs on pallas and on one of reference, blockwise and xla (chosen per case); ``make test`` runs every
+case on every impl.
 """
 
 from __future__ import annotations
@@ -61,6 +65,8 @@ import pytest
 import flashlib
 from flashlib.kernels import BlockSizes
 from peers.rules import IMPLS, allclose_failure, assert_all
+
+pytestmark = pytest.mark.rotate_jnp_impls
 
 SCALE = 1.0  # attention.mha's and mha_reference's default sm_scale
 FWD_TOL = {"atol": 0.05, "rtol": 1e-7}  # np.testing.assert_allclose(o, o_ref, atol=0.05)

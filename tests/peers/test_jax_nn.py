@@ -29,6 +29,10 @@ Cut, and why:
 * Mask modes ``bias``, ``padding``, ``sliding_window`` and their combinations, and the bias-gradient test:
   flashlib takes no bias, mask arrays, sequence lengths or local windows. ``custom`` is the causal case.
 * The cuDNN backend checks: no GPU here.
+
+Smoke environment (``tests/conftest.py``, marker ``rotate_jnp_impls``): under ``make test-colab`` each fixed case
+here runs on pallas and on one of reference, blockwise and xla (chosen per case); ``make test`` runs every
+case on every impl.
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ import pytest
 import flashlib
 from flashlib.reference import attention_oracle, attention_vjp_oracle
 from peers.rules import IMPLS, allclose_failure
+
+pytestmark = pytest.mark.rotate_jnp_impls
 
 B, S, T, N, H = 2, 128, 128, 4, 32
 NAMES = ("out", "dq", "dk", "dv")

@@ -45,6 +45,10 @@ Cut, and why:
   ``block_kv`` -> ``block_k_major`` and ``block_kv_compute`` -> ``block_k``; ``"blockwise"`` takes
   ``block_q`` and the compute block; ``"reference"`` and ``"xla"`` have no blocks.
 * Hypothesis draws (five seeds) become five fixed cases with fixed seeds.
+
+Smoke environment (``tests/conftest.py``, marker ``rotate_jnp_impls``): under ``make test-colab`` each fixed case
+here runs on pallas and on one of reference, blockwise and xla (chosen per case); ``make test`` runs every
+case on every impl.
 """
 
 from __future__ import annotations
@@ -61,6 +65,8 @@ import flashlib
 from flashlib.blockwise import blockwise_attention
 from flashlib.kernels import BlockSizes, flash_attention
 from peers.rules import IMPLS, allclose_failure, assert_all
+
+pytestmark = pytest.mark.rotate_jnp_impls
 
 SCALE = 1.0  # splash has no softmax scale: its reference multiplies raw q k^T
 

@@ -60,6 +60,10 @@ a compile per implementation plus a float64 oracle, so:
   block sizes, layouts, ``downcast_smem_data`` and the fused backward are not flashlib's.
 * The splash mask test keeps its square 4 x 4 windows; its rectangles are top-left aligned (offset 0), which
   flashlib's bottom-right windows state only for some of them.
+
+Smoke environment (``tests/conftest.py``, marker ``rotate_jnp_impls``): under ``make test-colab`` each fixed case
+here runs on pallas and on one of reference, blockwise and xla (chosen per case); ``make test`` runs every
+case on every impl.
 """
 
 from __future__ import annotations
@@ -77,6 +81,8 @@ from flashlib.api import get_implementation
 from flashlib.masks import element_visible
 from flashlib.reference import attention_oracle, attention_vjp_oracle, default_scale
 from peers import rules
+
+pytestmark = pytest.mark.rotate_jnp_impls
 
 
 @dataclasses.dataclass(frozen=True)
