@@ -77,6 +77,28 @@ def test_the_cells_come_from_the_declared_home():
         "https://colab.research.google.com/github/someone/flashlib/blob/v0.1.0/notebooks/00_start_here.ipynb")
 
 
+def test_the_no_bundle_message_names_this_release(tmp_path):
+    """Without a bundle and with the placeholder home, the cell's message names the zip and the tag with this
+    release's version filled in (the tag's sentence once printed a literal ``v{FLASHLIB_VERSION}``). Run in
+    this process with a stand-in ``google.colab``, in an empty folder: it raises before touching anything."""
+    if not release.is_placeholder(release.declared_home()):
+        pytest.skip("the home is published")
+    stand_in = sys.modules.setdefault("google.colab", type(sys)("google.colab"))
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        with pytest.raises(RuntimeError) as raised:
+            exec(setup_cells.setup_source(), {})
+    finally:
+        os.chdir(cwd)
+        if sys.modules.get("google.colab") is stand_in:
+            del sys.modules["google.colab"]
+    message, version = str(raised.value), release.version()
+    assert f"flashlib-colab-{version}.zip" in message and f"tag v{version}:" in message
+    assert "{" not in message and "}" not in message
+    assert list(tmp_path.iterdir()) == []
+
+
 # ---------------------------------------------------------------------------------------------------
 # Under make test-colab: the install itself
 # ---------------------------------------------------------------------------------------------------
