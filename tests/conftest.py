@@ -21,7 +21,6 @@ environment runs every case on every impl."""
 
 from __future__ import annotations
 
-import functools
 import gc
 import importlib
 import os
@@ -127,17 +126,10 @@ def make_qkv(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Random normal q, k, v in the flashlib layout."""
     kv_len = q_len if kv_len is None else kv_len
-    return _draw_qkv(jax.random.key(seed), q_shape=(batch, heads, q_len, head_dim),
-                     kv_shape=(batch, heads, kv_len, head_dim), dtype=jnp.dtype(dtype))
-
-
-@functools.partial(jax.jit, static_argnames=("q_shape", "kv_shape", "dtype"))
-def _draw_qkv(key, *, q_shape, kv_shape, dtype):
-    """One compiled program per shape (the same bits as op by op, which compiled ~8 programs per new shape)."""
-    kq, kk, kv = jax.random.split(key, 3)
-    q = jax.random.normal(kq, q_shape, jnp.float32).astype(dtype)
-    k = jax.random.normal(kk, kv_shape, jnp.float32).astype(dtype)
-    v = jax.random.normal(kv, kv_shape, jnp.float32).astype(dtype)
+    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(kq, (batch, heads, q_len, head_dim), jnp.float32).astype(dtype)
+    k = jax.random.normal(kk, (batch, heads, kv_len, head_dim), jnp.float32).astype(dtype)
+    v = jax.random.normal(kv, (batch, heads, kv_len, head_dim), jnp.float32).astype(dtype)
     return q, k, v
 
 

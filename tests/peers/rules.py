@@ -15,7 +15,6 @@ input dtype; its gradients round at the same places, by ``jax.vjp``.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -87,24 +86,16 @@ def naive_same_dtype(q, k, v, *, causal: bool = False, scale: float | None = Non
 
 def random_inputs(key, *, batch: int, heads: int, q_len: int, kv_len: int, head_dim: int, dtype,
                   q_scale: float = 1.0, kv_scale: float = 1.0, layout: str = "bhsd"):
-    """q, k, v, dO drawn N(0, 1) (q times ``q_scale``, k and v times ``kv_scale``), rounded to ``dtype``.
-    Drawn by one compiled program per shape and dtype (the same bits as drawing op by op, which compiled
-    about ten small programs for every new shape: a third of a search example's time)."""
+    """q, k, v, dO drawn N(0, 1) (q times ``q_scale``, k and v times ``kv_scale``), rounded to ``dtype``."""
+    kq, kk, kv, kd = jax.random.split(key, 4)
 
     def shape(seq):
         return (batch, heads, seq, head_dim) if layout == "bhsd" else (batch, seq, heads, head_dim)
 
-    return _draw(key, jnp.float32(q_scale), jnp.float32(kv_scale), q_shape=shape(q_len), kv_shape=shape(kv_len),
-                 dtype=jnp.dtype(dtype))
-
-
-@functools.partial(jax.jit, static_argnames=("q_shape", "kv_shape", "dtype"))
-def _draw(key, q_scale, kv_scale, *, q_shape, kv_shape, dtype):
-    kq, kk, kv, kd = jax.random.split(key, 4)
-    q = (q_scale * jax.random.normal(kq, q_shape, jnp.float32)).astype(dtype)
-    k = (kv_scale * jax.random.normal(kk, kv_shape, jnp.float32)).astype(dtype)
-    v = (kv_scale * jax.random.normal(kv, kv_shape, jnp.float32)).astype(dtype)
-    do = jax.random.normal(kd, q_shape, jnp.float32).astype(dtype)
+    q = (q_scale * jax.random.normal(kq, shape(q_len), jnp.float32)).astype(dtype)
+    k = (kv_scale * jax.random.normal(kk, shape(kv_len), jnp.float32)).astype(dtype)
+    v = (kv_scale * jax.random.normal(kv, shape(kv_len), jnp.float32)).astype(dtype)
+    do = jax.random.normal(kd, shape(q_len), jnp.float32).astype(dtype)
     return q, k, v, do
 
 
