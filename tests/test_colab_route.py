@@ -145,7 +145,7 @@ def _execute(python: Path, notebook: str, folder: Path, env: dict) -> dict:
         "import json, sys, nbformat, nbclient\n"
         "nb = nbformat.read(sys.argv[1], as_version=4)\n"
         "nb.cells.append(nbformat.v4.new_code_cell(sys.argv[2]))\n"
-        "nbclient.NotebookClient(nb, timeout=1200, kernel_name='python3',\n"
+        "nbclient.NotebookClient(nb, timeout=1200, startup_timeout=600, kernel_name='python3',\n"
         "                        resources={'metadata': {'path': sys.argv[3]}}).execute()\n"
         "print(nb.cells[-1].outputs[-1]['text'])\n"
     )
