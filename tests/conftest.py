@@ -38,6 +38,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
+from peers import rules  # noqa: E402
 
 from flashlib import env  # noqa: E402
 
@@ -214,8 +215,8 @@ def _schedule_rank(item) -> int:
     return 0 if getattr(getattr(item, "obj", None), "is_hypothesis_test", False) else 1
 
 
-# The implementations behind flashlib.attention written in plain jax.numpy (no Pallas kernel).
-JNP_IMPLS = ("reference", "blockwise", "xla")
+# The peers' implementations written in plain jax.numpy: all but the Pallas kernel.
+JNP_IMPLS = tuple(name for name in rules.IMPLS if name != "pallas")
 
 
 def _rotated_out(item) -> bool:
@@ -234,10 +235,10 @@ def _rotated_out(item) -> bool:
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
-    rotated = [item for item in items if _rotated_out(item)]
+    rotated = {item.nodeid for item in items if _rotated_out(item)}
     if rotated:
-        config.hook.pytest_deselected(items=rotated)
-        items[:] = [item for item in items if not _rotated_out(item)]
+        config.hook.pytest_deselected(items=[item for item in items if item.nodeid in rotated])
+        items[:] = [item for item in items if item.nodeid not in rotated]
     for item in items:
         group = _xdist_group(item)
         if group is not None:
