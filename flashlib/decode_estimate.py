@@ -1,8 +1,10 @@
 """Is the decode kernel bound by reading the cache? libtpu's static estimate against the HBM floor.
 
-Decoding reads the whole KV cache once per generated token and does ~2 FLOPs per byte of it: far below any
-TPU's ridge point, so the floor is the cache's bytes over the HBM bandwidth, ``2 * batch * kv_heads * kv_len *
-head_dim * itemsize / bandwidth``, in cycles at the chip's derived clock (:mod:`flashlib.hardware`).
+Decoding reads the whole KV cache once per generated token and does about 1 FLOP per byte of it for each
+query head that reads it (bf16: 4 FLOPs for each element pair of K and V, against their 4 bytes; 8 under GQA
+8:1): far below any TPU's ridge point, so the floor is the cache's bytes over the HBM bandwidth,
+``2 * batch * kv_heads * kv_len * head_dim * itemsize / bandwidth``, in cycles at the chip's derived clock
+(:mod:`flashlib.hardware`).
 :func:`estimate_decode` compiles one decode call for a TPU target in a fresh subprocess
 (:func:`flashlib.estimate.estimate_cycles`) and returns its cycles beside that floor; :func:`decode_table`
 sweeps cache lengths, batches and split counts, with today's forward kernel for comparison.

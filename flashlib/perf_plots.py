@@ -30,7 +30,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator
 
-from flashlib import hardware
+from flashlib import decode_estimate, hardware
 from flashlib.hardware import MIB
 from flashlib.kernels.block_sizes import BlockSizes, vmem_limit_bytes
 from flashlib.perf_data import (  # the numbers these plots draw; re-exported for the notebooks
@@ -52,13 +52,16 @@ from flashlib.viz.figures import PALETTE, SERIES_COLORS, figure_and_axes
 
 __all__ = [
     "BlockGrid", "RooflinePoint", "StepCostFit", "block_grid", "fit_step_cost", "group_steps", "plot_block_cycles",
-    "plot_gqa_estimates", "plot_optimisation_steps", "plot_roofline", "plot_seq_sweep", "plot_step_cost",
-    "plot_steps_vs_baseline",
+    "decode_roofline_points", "plot_decode_roofline", "plot_gqa_estimates", "plot_optimisation_steps", "plot_roofline",
+    "plot_seq_sweep", "plot_step_cost", "plot_steps_vs_baseline",
     "plot_vmem_by_blocks", "plot_window_scaling", "read_table", "roofline_points", "select", "steps_table",
 ]
 
-IMPL_COLORS: dict[str, str] = {"xla": SERIES_COLORS[0], "pallas": SERIES_COLORS[1], "jax_flash": SERIES_COLORS[4]}
-IMPL_NAMES: dict[str, str] = {"xla": "XLA (fused)", "pallas": "flashlib (Pallas)", "jax_flash": "JAX flash_attention"}
+IMPL_COLORS: dict[str, str] = {"xla": SERIES_COLORS[0], "pallas": SERIES_COLORS[1], "jax_flash": SERIES_COLORS[4],
+                               "prefill": SERIES_COLORS[1], "contiguous": SERIES_COLORS[3], "forward": SERIES_COLORS[5]}
+IMPL_NAMES: dict[str, str] = {"xla": "XLA (fused)", "pallas": "flashlib (Pallas)", "jax_flash": "JAX flash_attention",
+                              "prefill": "prefill (flashlib forward, q_len = T)",  # the decode roofline's series
+                              "contiguous": "decode kernel, 1 new token", "forward": "training kernel, 1 new token"}
 RATIO_SCALE = (1.0, 2.0)  # heat-map colours: multiple of the best, x1 lightest, x2 and beyond darkest
 DARK_RATIO = 1.5  # from here the cell's label is white
 STATIC_NOTE = "libtpu's static estimate, compiled ahead of time: not a TPU measurement"
@@ -105,6 +108,43 @@ def plot_roofline(points: Sequence[RooflinePoint], generation: str, ax: Axes | N
     ax.grid(True, which="major", alpha=0.3)
     return _label(ax, "arithmetic intensity (ideal FLOPs / HBM byte)", "TFLOP/s at the derived clock",
                    title or f"{generation}: roofline and static estimates")
+
+
+def decode_roofline_points(rows: Iterable[Row], generation: str, *, kinds: Sequence[str] = ("contiguous", "forward"),
+                           heads: int = 32, kv_heads: int = 4, head_dim: int = 128,
+                           dtype: str = "bfloat16") -> list[RooflinePoint]:
+    """Roofline coordinates of ``decode_v5e.csv`` rows (one new token against a full cache; the shape defaults
+    are that table's): the ideal work ``4 * batch * heads * kv_len * head_dim`` FLOPs over the cache's bytes
+    (:func:`flashlib.decode_estimate.cache_bytes`) — ``heads / (kv_heads * itemsize)`` FLOPs per byte at any
+    length — at the throughput the row's estimated cycles imply; ``impl`` is the row's kind, ``seq`` its kv_len.
+    Only ``kinds`` are kept: by default not ``guarded`` and ``jax_paged``, whose guards the profiler credits as
+    never run (the table's header), nor ``paged``, a lower bound when it copies several pages a step."""
+    chip = hardware.CHIPS[generation]
+    points = []
+    for row in rows:
+        if row.get("status") != "ok" or row["kind"] not in kinds:
+            continue
+        flops = 4 * row["batch"] * heads * row["kv_len"] * head_dim
+        nbytes = decode_estimate.cache_bytes(row["batch"], kv_heads, row["kv_len"], head_dim, dtype)
+        points.append(RooflinePoint(row["kind"], row["kv_len"], flops / nbytes,
+                                    flops / (row["cycles"] / chip.clock_hz) / 1e12))
+    return points
+
+
+def plot_decode_roofline(points: Sequence[RooflinePoint], generation: str, ax: Axes | None = None,
+                         title: str | None = None) -> Figure:
+    """:func:`plot_roofline` with the memory-bound side of the ridge shaded and named: decode's points
+    (:func:`decode_roofline_points`) beside prefill's (``roofline_points`` renamed ``"prefill"``)."""
+    chip = hardware.CHIPS[generation]
+    fig, ax = figure_and_axes(ax, (6.5, 4.6))
+    plot_roofline(points, generation, ax=ax, title=title or f"{generation}: decoding and prefill on the roofline")
+    left, bottom = ax.get_xlim()[0], ax.get_ylim()[0]
+    ax.axvspan(left, chip.ridge_point, color=PALETTE["skipped"], alpha=0.18, lw=0, zorder=0)
+    ax.set_xlim(left=left)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(0.0, 0.86))  # below the ridge label, above the line
+    ax.text(chip.ridge_point / 1.2, bottom * 1.5, "memory bound", ha="right", fontsize=8, color=PALETTE["ink"])
+    ax.text(chip.ridge_point * 1.2, bottom * 1.5, "compute bound", ha="left", fontsize=8, color=PALETTE["ink"])
+    return fig
 
 
 # -- Block sizes -----------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from flashlib import reference
-from flashlib.checks import CheckFailed
+from flashlib.checks import CheckFailed, exercise
 from flashlib.exercises import decoding as nb10
 
 
@@ -88,3 +88,116 @@ def test_the_hints_end_in_the_solutions():
         assert puzzle.levels == 3 and "def " in puzzle.solution_source()
     assert np.isfinite(np.asarray(nb10.combine_splits_solution([reference.SoftmaxState(
         m=jnp.full((1,), -jnp.inf), l=jnp.zeros((1,)), acc=jnp.zeros((1, 2)))]))).all()
+
+
+# -- the exercises' checkers: solutions pass, plausible wrong answers are named --------------------------------
+
+
+def merge_splits_solution(m, l, acc):  # noqa: E741
+    top = jnp.max(m, axis=0)
+    safe = jnp.where(jnp.isfinite(top), top, 0.0)
+    w = jnp.exp(m - safe)  # [splits, ...]: 0 for a split that saw no key
+    l, acc = jnp.sum(w * l, axis=0), jnp.sum(w[..., None] * acc, axis=0)  # noqa: E741
+    return jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+
+
+def _merge_unsafe(m, l, acc):  # exponentiates against -inf on a row no split saw
+    w = jnp.exp(m - jnp.max(m, axis=0))
+    return jnp.sum(w[..., None] * acc, axis=0) / jnp.sum(w * l, axis=0)[..., None]
+
+
+def _merge_undivided(m, l, acc):  # the merged acc, never divided by l
+    safe = jnp.where(jnp.isfinite(jnp.max(m, axis=0)), jnp.max(m, axis=0), 0.0)
+    return jnp.sum(jnp.exp(m - safe)[..., None] * acc, axis=0)
+
+
+def _merge_averaged(m, l, acc):  # each split's output, then their mean
+    return jnp.mean(jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0), axis=0)
+
+
+def _merge_unscaled(m, l, acc):  # acc and l summed as they are
+    total = jnp.sum(l, axis=0)
+    return jnp.sum(acc, axis=0) / jnp.where(total > 0, total, 1.0)[..., None]
+
+
+def _merge_wrong_axis(m, l, acc):  # reduces over the last axis (the rows) instead of the splits
+    return merge_splits_solution(jnp.moveaxis(m, -1, 0), jnp.moveaxis(l, -1, 0), jnp.moveaxis(acc, -2, 0))
+
+
+def test_merge_splits_solution_passes_and_the_stub_is_not_attempted(capsys):
+    nb10.check_merge_splits(merge_splits_solution)
+    exercise("exercise 1", lambda: _stub, nb10.check_merge_splits)
+    out = capsys.readouterr().out
+    assert "passed: merge_splits" in out and "exercise 1: not attempted yet" in out
+
+
+@pytest.mark.parametrize("answer, message", [
+    (_merge_unsafe, "NaN in the output"),
+    (_merge_undivided, "the merged acc, not yet the output"),
+    (_merge_averaged, "the splits' outputs are averaged"),
+    (_merge_unscaled, r"summed without rescaling: .* exp\(m_i - m\)"),
+    (_merge_wrong_axis, "shape .* reduce over the leading"),
+])
+def test_wrong_merges_are_named(answer, message):
+    with pytest.raises(CheckFailed, match=message):
+        nb10.check_merge_splits(answer)
+
+
+def decode_intensity_solution(heads, kv_heads, head_dim, q_len, itemsize):
+    return (4 * heads * q_len * head_dim) / (2 * kv_heads * head_dim * itemsize)
+
+
+def test_decode_intensity_solution_passes(capsys):
+    nb10.check_decode_intensity(decode_intensity_solution)
+    out = capsys.readouterr().out
+    assert "GQA 8:1 in bf16 is 8 FLOP/B" in out and "q_len >= 31" in out
+
+
+@pytest.mark.parametrize("answer, message", [
+    (lambda h, kv, d, q, b: 2 * h * q * d / (2 * kv * d * b), "half the FLOPs"),
+    (lambda h, kv, d, q, b: 4 * h * q * d / (kv * d * b), "reads K \\*and\\* V"),
+    (lambda h, kv, d, q, b: 4 * h * q * d / (2 * h * d * b), "stored per kv head"),
+    (lambda h, kv, d, q, b: 4 * h * d / (2 * kv * d * b), "q_len is missing"),
+    (lambda h, kv, d, q, b: 4 * h * q * d / (2 * kv * d), "itemsize is missing"),
+    (lambda h, kv, d, q, b: 4 * h * q * d * d / (2 * kv * d * b), "kv_len cancels"),
+])
+def test_wrong_intensities_are_named(answer, message):
+    with pytest.raises(CheckFailed, match=message):
+        nb10.check_decode_intensity(answer)
+
+
+def write_token_solution(k_pages, block_table, seq, position, k_new):
+    page_size = k_pages.shape[2]
+    return k_pages.at[block_table[seq, position // page_size], :, position % page_size].set(k_new)
+
+
+def test_write_token_solution_passes(capsys):
+    nb10.check_write_token(write_token_solution)
+    assert "passed: write_token" in capsys.readouterr().out
+
+
+def _write_logical(k_pages, block_table, seq, position, k_new):  # the logical page, not the table's
+    return k_pages.at[position // k_pages.shape[2], :, position % k_pages.shape[2]].set(k_new)
+
+
+def _write_swapped(k_pages, block_table, seq, position, k_new):  # page from the remainder, slot from the quotient
+    return k_pages.at[block_table[seq, position % k_pages.shape[2]], :, position // k_pages.shape[2]].set(k_new)
+
+
+def _write_nothing(k_pages, block_table, seq, position, k_new):
+    return k_pages
+
+
+def _write_transposed(k_pages, block_table, seq, position, k_new):  # block_table[page, seq]: rows and columns swapped
+    return k_pages.at[block_table[position // k_pages.shape[2] % 2, seq], :, position % k_pages.shape[2]].set(k_new)
+
+
+@pytest.mark.parametrize("answer, message", [
+    (_write_logical, "the sequence's logical page: look it up in the block table"),
+    (_write_swapped, "page and slot are swapped"),
+    (_write_nothing, "the pool is unchanged"),
+    (_write_transposed, r"pages \[\d+\] changed, expected only page"),
+])
+def test_wrong_writes_are_named(answer, message):
+    with pytest.raises(CheckFailed, match=message):
+        nb10.check_write_token(answer)

@@ -249,3 +249,26 @@ def test_block_size_explorer_redraws_from_the_table(shown):
 def test_step_names_wrap_between_words_not_inside_them():
     assert perf_plots._step_label("fused_dq_defaults") == "fused_dq_\ndefaults"
     assert perf_plots._step_label("bigger blocks") == "bigger\nblocks" and perf_plots._step_label("0") == "0"
+
+
+def test_decode_roofline_points_and_plot():
+    chip = hardware.CHIPS["v5e"]
+    table = perf_plots.select(perf_plots.read_table(ESTIMATES / "decode_v5e.csv"), batch=1, num_splits=1, block_k=2048)
+    assert perf_plots.decode_roofline_points([r for r in table if r["kind"] == "guarded"], "v5e") == []  # not kept
+    rows = [r for r in table if r["kind"] in ("contiguous", "forward")]
+    points = perf_plots.decode_roofline_points(table, "v5e")
+    assert len(points) == len(rows) == 6
+    for row, point in zip(rows, points, strict=True):
+        assert point.intensity == pytest.approx(8.0)  # 32 query heads on 4 kv heads, bf16: heads / (kv_heads * 2)
+        flops = 4 * 32 * row["kv_len"] * 128
+        assert point.tflops == pytest.approx(flops / (row["cycles"] / chip.clock_hz) / 1e12)
+        assert point.tflops < chip.hbm_bandwidth * point.intensity / 1e12  # under the roof
+    mha = perf_plots.decode_roofline_points(rows[:1], "v5e", kv_heads=32)
+    assert mha[0].intensity == pytest.approx(1.0)
+    prefill = [p._replace(impl="prefill") for p in perf_plots.roofline_points(SEQ_SWEEP, "v5e") if p.impl == "pallas"]
+    fig = perf_plots.plot_decode_roofline(points + prefill, "v5e")
+    labels = {line.get_label() for line in fig.axes[0].lines}
+    assert {"decode kernel, 1 new token", "training kernel, 1 new token",
+            "prefill (flashlib forward, q_len = T)"} <= labels
+    texts = _texts(fig)
+    assert "memory bound" in texts and "compute bound" in texts and f"ridge {chip.ridge_point:.0f} FLOP/B" in texts

@@ -295,3 +295,39 @@ def test_online_softmax_explorer_redraws(shown):
     assert _slider(box).max == 2
     _slider(box).value = 2
     assert "after block 0/2" in _texts(shown[0]) and "after block 2/2" in _texts(shown[1])
+
+
+# -- decoding: the block table and split-KV's merge --------------------------------------------------------------
+
+
+def test_plot_block_table_draws_an_arrow_per_live_page_and_marks_the_rest():
+    from matplotlib.patches import FancyArrowPatch  # noqa: PLC0415
+
+    table = np.array([[7, 2, 9, 0], [5, 11, 3, 8]])
+    fig = viz.plot_block_table(table, [13, 6], page_size=4, num_pages=12)
+    texts = _text_list(fig)
+    arrows = [p for p in fig.axes[0].patches if isinstance(p, FancyArrowPatch)]
+    assert len(arrows) == 4 + 2  # ceil(13 / 4) and ceil(6 / 4) live pages
+    assert "[0,3] = 0" in texts and "[1,1] = 11" in texts
+    assert "unused (table says 3)" in texts and "unused (table says 8)" in texts
+    assert {"1  free", "4  free", "10  free"} <= set(texts) and "7" in texts  # pools pages nobody reads are free
+    with pytest.raises(ValueError, match="one length per row"):
+        viz.plot_block_table(table, [13], page_size=4, num_pages=12)
+    with pytest.raises(ValueError, match="lengths must be from 0 to 16"):
+        viz.plot_block_table(table, [17, 6], page_size=4, num_pages=12)
+    big = viz.plot_block_table(np.array([[1, 0]]), [300], page_size=256, num_pages=2)  # one bar a page, not 256
+    assert len(big.axes[0].patches) < 30
+
+
+def test_split_weights_and_plot_split_kv():
+    m, l = [1.0, 3.0, -np.inf], [2.0, 1.0, 0.0]  # noqa: E741
+    top, total, weights = viz.split_weights(m, l)
+    assert top == 3.0 and total == pytest.approx(2.0 * np.exp(-2.0) + 1.0)
+    np.testing.assert_allclose(weights, [2.0 * np.exp(-2.0) / total, 1.0 / total, 0.0])
+    assert viz.split_weights([-np.inf], [0.0])[1:] == (0.0, pytest.approx([0.0]))  # no split saw a key
+    fig = viz.plot_split_kv([(0, 8), (8, 16), (16, 24)], m, l, length=14)
+    texts = " ".join(_text_list(fig))
+    assert "m_2 = −∞" in texts and "(no key)" in texts and "length 14" in texts
+    assert f"{100 * weights[0]:.0f}%" in texts and "0%" in texts and f"l = Σ l_i e^(m_i − m) = {total:.4g}" in texts
+    with pytest.raises(ValueError, match="one \\(m, l\\) per split"):
+        viz.plot_split_kv([(0, 8)], m, l, length=8)

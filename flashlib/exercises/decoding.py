@@ -1,6 +1,9 @@
 """Notebook 10's puzzles: :data:`COMBINE_SPLITS`, the output of split-KV decoding from its per-split softmax
 states (notebook 03's merge, applied to the splits), and :data:`PAGE_TO_COPY`, the page a paged decode kernel's
 index map asks for at a grid step (the block table followed, pages past the length never copied).
+
+Exercises: the split-KV merge written by hand (:func:`check_merge_splits`), the arithmetic intensity of a decode
+step (:func:`check_decode_intensity`) and writing a new token's keys into its page (:func:`check_write_token`).
 """
 
 from __future__ import annotations
@@ -11,13 +14,14 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from flashlib import decode, reference
+from flashlib import decode, hardware, reference
 from flashlib.checks import CheckFailed
 from flashlib.exercises.puzzle import Puzzle
 from flashlib.reference import SoftmaxState
 
-__all__ = ["COMBINE_SPLITS", "PAGE_TO_COPY", "check_combine_splits", "check_page_to_copy",
-           "combine_splits_solution", "page_to_copy_solution"]
+__all__ = ["COMBINE_SPLITS", "PAGE_TO_COPY", "check_combine_splits", "check_decode_intensity",
+           "check_merge_splits", "check_page_to_copy", "check_write_token", "combine_splits_solution",
+           "page_to_copy_solution"]
 
 
 # -- puzzle 1: the output from the splits' states ---------------------------------------------------------------
@@ -145,3 +149,152 @@ PAGE_TO_COPY = Puzzle(
         "page as the step before, and Pallas copies a block only when its index changes.",
     ),
 )
+
+
+# -- exercises: the merge by hand, decode's intensity, writing a token into its page ----------------------------
+
+
+def _stacked(states: Sequence[SoftmaxState]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return tuple(np.stack([np.asarray(getattr(s, f), np.float64) for s in states]) for f in ("m", "l", "acc"))
+
+
+def check_merge_splits(merge_splits: Callable[[Any, Any, Any], Any]) -> None:
+    """``merge_splits(m, l, acc)``: the output ``[..., dv]`` from the splits' states stacked on a leading axis —
+    ``m`` and ``l`` ``[splits, ...]``, ``acc`` ``[splits, ..., dv]`` — written with exp and sums, not merge_states."""
+    for case, q, cache, splits in _split_cases():
+        _, states = decode.decode_split_kv(q, cache, num_splits=splits, return_states=True)
+        m, l, acc = _stacked(states)
+        want = np.asarray(decode.decode_oracle(q, cache), np.float64).reshape(acc.shape[1:])
+        got = np.asarray(merge_splits(jnp.asarray(m, jnp.float32), jnp.asarray(l, jnp.float32),
+                                      jnp.asarray(acc, jnp.float32)), np.float64)
+
+        def failed(message: str, case: str = case) -> CheckFailed:
+            return CheckFailed(f"failed: merge_splits, case '{case}' — {message}")
+
+        if got.shape != want.shape:
+            raise failed(f"shape {got.shape}, expected {want.shape}: reduce over the leading (splits) axis only — "
+                         "the maximum is m.max(axis=0), the sums are over axis 0")
+        if np.isnan(got).any():
+            raise failed("NaN in the output: where every split saw no key, m.max(axis=0) is -inf and "
+                         "exp(-inf - (-inf)) is NaN; exponentiate against a safe maximum (0 where it is -inf), and "
+                         "divide by l only where l > 0 (a row no split saw is 0)")
+        if np.allclose(got, want, atol=1e-5):
+            continue
+        top = np.max(m, axis=0)
+        safe = np.where(np.isfinite(top), top, 0.0)
+        weights = np.exp(m - safe)  # [splits, ...]
+        merged_acc = np.sum(weights[..., None] * acc, axis=0)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            averaged = np.mean(np.where(l[..., None] > 0, acc / np.where(l > 0, l, 1.0)[..., None], 0.0), axis=0)
+            unscaled = np.sum(acc, axis=0) / np.where(l.sum(0) > 0, l.sum(0), 1.0)[..., None]
+        if np.allclose(got, merged_acc, atol=1e-5):
+            raise failed("this is the merged acc, not yet the output: divide by the merged l once at the end")
+        if np.allclose(got, averaged, atol=1e-5):
+            raise failed("the splits' outputs are averaged: a split's share of the softmax is l_i e^(m_i - m), "
+                         "not 1 / num_splits; rescale and add acc and l first, then divide once")
+        if np.allclose(got, unscaled, atol=1e-5):
+            raise failed("acc and l are summed without rescaling: each split's acc and l are measured against its "
+                         "own m_i; multiply both by exp(m_i - m), m the largest m_i, before adding")
+        raise failed(f"max error {np.max(np.abs(got - want)):.3g} against the float64 oracle: m = max over splits, "
+                     "l = sum of l_i exp(m_i - m), acc = sum of acc_i exp(m_i - m), output = acc / l")
+    print(f"passed: merge_splits merges the splits by hand into the oracle's output in all {len(_split_cases())} "
+          "cases, empty splits and blind rows included")
+
+
+INTENSITY_CASES = (  # (heads, kv_heads, head_dim, q_len, itemsize)
+    (32, 4, 128, 1, 2), (32, 32, 128, 1, 2), (8, 1, 64, 1, 4), (32, 4, 128, 4, 2), (16, 16, 256, 1, 1),
+)
+
+
+def _intensity(heads: int, kv_heads: int, head_dim: int, q_len: int, itemsize: int) -> float:
+    flops = 4 * heads * q_len * head_dim  # q·k and p·v, a multiply and an add each, per cached key
+    nbytes = 2 * kv_heads * head_dim * itemsize  # that key's K and V rows, once per kv head
+    return flops / nbytes
+
+
+_INTENSITY_MISTAKES = (  # (a wrong formula, the mistake it makes)
+    (lambda h, kv, d, q, b: _intensity(h, kv, d, q, b) / 2,
+     "half the FLOPs: per cached key a query head does q·k and p·v, head_dim multiply-adds each, and a "
+     "multiply-add is 2 FLOPs: 4 * head_dim per key per query row"),
+    (lambda h, kv, d, q, b: _intensity(h, kv, d, q, b) * 2,
+     "twice the intensity: the step reads K *and* V, 2 * kv_heads * head_dim * itemsize bytes per cached key"),
+    (lambda h, kv, d, q, b: _intensity(h, h, d, q, b),
+     "the cache is stored per kv head, not per query head: the bytes scale with kv_heads, and the heads of a "
+     "GQA group share each byte"),
+    (lambda h, kv, d, q, b: _intensity(h, kv, d, 1, b),
+     "q_len is missing: every new token attends to every cached key, so the FLOPs scale with q_len while the "
+     "bytes do not"),
+    (lambda h, kv, d, q, b: _intensity(h, kv, d, q, 1), "itemsize is missing: a bf16 element is 2 bytes, a "
+     "float32 one 4"),
+)
+
+
+def check_decode_intensity(decode_intensity: Callable[[int, int, int, int, int], float]) -> None:
+    """``decode_intensity(heads, kv_heads, head_dim, q_len, itemsize)``: FLOPs per byte of K and V a decode step
+    reads (the cache dominates the bytes; q and the output are left out). A wrong answer is judged on every
+    case at once, so that the mistake it names is the one that explains them all."""
+    got = [float(decode_intensity(*case)) for case in INTENSITY_CASES]
+    wrong = [i for i, case in enumerate(INTENSITY_CASES) if not np.isclose(got[i], _intensity(*case), rtol=1e-6)]
+    if wrong:
+        heads, kv_heads, head_dim, q_len, itemsize = INTENSITY_CASES[wrong[0]]
+        want = _intensity(*INTENSITY_CASES[wrong[0]])
+        where = (f"failed: decode_intensity, heads {heads}, kv_heads {kv_heads}, head_dim {head_dim}, q_len "
+                 f"{q_len}, itemsize {itemsize} — got {got[wrong[0]]:g}, expected {want:g}")
+        for formula, mistake in _INTENSITY_MISTAKES:
+            if all(np.isclose(g, formula(*case), rtol=1e-6) for g, case in zip(got, INTENSITY_CASES, strict=True)):
+                raise CheckFailed(f"{where}: {mistake}")
+        raise CheckFailed(f"{where}: FLOPs 4 * heads * q_len * kv_len * head_dim over bytes 2 * kv_heads * kv_len * "
+                          "head_dim * itemsize (kv_len cancels)")
+    ridge = hardware.CHIPS["v5e"].ridge_point
+    per_token = _intensity(*INTENSITY_CASES[0])
+    print(f"passed: decode_intensity in all {len(INTENSITY_CASES)} cases; GQA 8:1 in bf16 is {per_token:g} FLOP/B "
+          f"per new token, so only q_len >= {int(np.ceil(ridge / per_token))} new tokens a step would reach v5e's "
+          f"ridge ({ridge:.0f} FLOP/B)")
+
+
+def _write_token(k_pages: Any, block_table: Any, seq: int, position: int, k_new: Any) -> np.ndarray:
+    pool = np.array(k_pages, np.float32)
+    page_size = pool.shape[2]
+    pool[int(block_table[seq][position // page_size]), :, position % page_size] = np.asarray(k_new)
+    return pool
+
+
+def check_write_token(write_token: Callable[[Any, Any, int, int, Any], Any]) -> None:
+    """``write_token(k_pages, block_table, seq, position, k_new)``: the pool ``[num_pages, kv_heads, page_size,
+    head_dim]`` with token ``position`` of sequence ``seq`` (``k_new [kv_heads, head_dim]``) written into its slot."""
+    rng = np.random.default_rng(27)
+    page_size, num_pages = 4, 10
+    pool = rng.normal(size=(num_pages, 2, page_size, 8)).astype(np.float32)
+    table = rng.permutation(num_pages)[:8].reshape(2, 4)
+    cases = [(0, 0), (0, 3), (0, 5), (1, 4), (1, 15), (1, 9)]
+    for seq, position in cases:
+        k_new = rng.normal(size=(2, 8)).astype(np.float32)
+        want = _write_token(pool, table, seq, position, k_new)
+        got = np.asarray(write_token(jnp.asarray(pool), jnp.asarray(table, jnp.int32), seq, position,
+                                     jnp.asarray(k_new)), np.float32)
+        case = f"sequence {seq}, position {position}, page_size {page_size}, table row {table[seq].tolist()}"
+        if got.shape != want.shape:
+            raise CheckFailed(f"failed: write_token, {case} — shape {got.shape}, expected {want.shape}: return the "
+                              "whole pool with one slot written")
+        if np.array_equal(got, want):
+            continue
+        logical = position // page_size
+        wrong_page = pool.copy()
+        wrong_page[logical, :, position % page_size] = k_new
+        swapped = pool.copy()
+        swapped[int(table[seq][position % page_size]), :, logical] = k_new
+        if np.array_equal(got, wrong_page):
+            raise CheckFailed(f"failed: write_token, {case} — written to pool page {logical}, the sequence's "
+                              f"logical page: look it up in the block table, block_table[seq, {logical}] = "
+                              f"{int(table[seq][logical])}")
+        if np.array_equal(got, swapped):
+            raise CheckFailed(f"failed: write_token, {case} — page and slot are swapped: the page is position // "
+                              "page_size (looked up in the table), the slot within it position % page_size")
+        if np.array_equal(got, pool):
+            raise CheckFailed(f"failed: write_token, {case} — the pool is unchanged: return the updated pool "
+                              "(with jnp: k_pages.at[page, :, slot].set(k_new))")
+        changed = sorted({int(p) for p in np.argwhere(got != pool)[:, 0]})
+        raise CheckFailed(f"failed: write_token, {case} — pages {changed} changed, expected only page "
+                          f"{int(table[seq][logical])}, slot {position % page_size}, every kv head")
+    print(f"passed: write_token puts each new token in slot position % page_size of page "
+          f"block_table[seq, position // page_size] ({len(cases)} tokens, two sequences)")

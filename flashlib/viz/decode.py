@@ -1,0 +1,167 @@
+"""Pictures of decoding (notebook 10): a block table mapping each sequence's pages to pages of the pool, and
+split-KV's partial softmax states merged into one.
+
+Plain numbers in (a block table and lengths; each split's key range and its ``m`` and ``l``), a figure out;
+nothing here imports :mod:`flashlib.decode`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+from matplotlib.patches import FancyArrowPatch, Rectangle
+
+from flashlib.viz.figures import PALETTE, SERIES_COLORS, draw_tile, figure_and_axes
+
+__all__ = ["plot_block_table", "plot_split_kv", "split_weights"]
+
+SEQUENCE_COLORS = SERIES_COLORS[1:]  # one colour per sequence (blue, green, purple, ...)
+
+
+def _hide_axes(ax: Axes) -> None:
+    ax.set_aspect("equal")
+    ax.set_xticks([])
+    ax.set_yticks([])
+    for spine in ax.spines.values():
+        spine.set_visible(False)
+
+
+PAGE_WIDTH, PITCH = 4.0, 1.6  # a page's width and the rows' pitch, in data units
+
+
+def _draw_page(ax: Axes, x: float, y: float, page_size: int, filled: int, color: str) -> None:
+    """One page at ``(x, y)``: ``page_size`` token slots (one bar for big pages), the first ``filled`` in
+    ``color``; dashed when it holds no token."""
+    slots = page_size if page_size <= 16 else 1
+    width = PAGE_WIDTH / slots
+    for slot in range(slots):
+        share = min(max(filled - slot, 0), 1) if slots == page_size else filled / page_size
+        draw_tile(ax, x + slot * width, y, width, 1.0, "white", 1.0, edge=PALETTE["ink"], lw=0.4)
+        if share:
+            draw_tile(ax, x + slot * width, y, width * share, 1.0, color, 0.8, edge=PALETTE["ink"], lw=0.4)
+    ax.add_patch(Rectangle((x, y), PAGE_WIDTH, 1.0, fill=False, edgecolor=PALETTE["ink"], lw=1.4,
+                           ls="-" if filled else "--"))
+
+
+def plot_block_table(block_table: npt.ArrayLike, lengths: Sequence[int], page_size: int, num_pages: int, *,
+                     ax: Axes | None = None, title: str | None = None) -> Figure:
+    """Each sequence's pages in logical order (the left column, one slot per token, the filled slots in the
+    sequence's colour) and the pool's ``num_pages`` pages (the right column), with an arrow from every live
+    logical page ``j`` of sequence ``b`` to pool page ``block_table[b, j]``, labelled with that table entry.
+    Pages past a sequence's length are dashed, marked unused and never read; pool pages no live page names
+    are marked free."""
+    table = np.asarray(block_table)
+    if table.ndim != 2 or len(lengths) != table.shape[0]:
+        raise ValueError(f"block_table must be [batch, pages_per_seq] with one length per row, got {table.shape} "
+                         f"and {len(lengths)} lengths")
+    batch, pages_per_seq = table.shape
+    if any(not 0 <= n <= pages_per_seq * page_size for n in lengths):
+        raise ValueError(f"lengths must be from 0 to {pages_per_seq * page_size}, got {list(lengths)}")
+    rows = max(batch * pages_per_seq + batch - 1, num_pages)
+    pool_x, top = PAGE_WIDTH + 10.0, (rows - 1) * PITCH
+    width = pool_x + PAGE_WIDTH + 12.0  # from -9 to 3 past the pool
+    fig, ax = figure_and_axes(ax, (8.0, 8.0 * (top + 2.7) / width + 0.4))
+    owner: dict[int, tuple[int, int]] = {}  # pool page -> (sequence, tokens it holds)
+    for b in range(batch):
+        color, first = SEQUENCE_COLORS[b % len(SEQUENCE_COLORS)], b * (pages_per_seq + 1)
+        live = -(-int(lengths[b]) // page_size)
+        ax.text(-2.6, top - (first + (pages_per_seq - 1) / 2) * PITCH + 0.5, f"sequence {b}\n{int(lengths[b])} tokens",
+                ha="right", va="center", fontsize=8, color=color)
+        for j in range(pages_per_seq):
+            y, page = top - (first + j) * PITCH, int(table[b, j])
+            filled = min(max(int(lengths[b]) - j * page_size, 0), page_size)
+            _draw_page(ax, 0.0, y, page_size, filled, color)
+            ax.text(-0.3, y + 0.5, f"page {j}", ha="right", va="center", fontsize=7)
+            if j >= live:
+                ax.text(PAGE_WIDTH + 0.3, y + 0.5, f"unused (table says {page})", ha="left", va="center",
+                        fontsize=7, color=PALETTE["skipped"])
+                continue
+            owner[page] = (b, filled)
+            ax.text(PAGE_WIDTH + 0.3, y + 0.5, f"[{b},{j}] = {page}", ha="left", va="center", fontsize=7)
+            ax.add_patch(FancyArrowPatch((PAGE_WIDTH + 3.6, y + 0.5), (pool_x - 0.1, top - page * PITCH + 0.5),
+                                         arrowstyle="-|>", mutation_scale=9, color=color, lw=1.1, alpha=0.85))
+    for page in range(num_pages):
+        b, filled = owner.get(page, (-1, 0))
+        y = top - page * PITCH
+        _draw_page(ax, pool_x, y, page_size, filled, SEQUENCE_COLORS[b % len(SEQUENCE_COLORS)])
+        ax.text(pool_x + PAGE_WIDTH + 0.3, y + 0.5, f"{page}" + ("" if b >= 0 else "  free"), ha="left",
+                va="center", fontsize=7, color=PALETTE["ink"] if b >= 0 else PALETTE["skipped"])
+    ax.text(PAGE_WIDTH / 2, top + 1.3, "logical pages", ha="center", fontsize=8)
+    ax.text(PAGE_WIDTH + 1.8, top + 1.3, "block_table", ha="center", fontsize=8)
+    ax.text(pool_x + PAGE_WIDTH / 2, top + 1.3, f"pool ({num_pages} pages)", ha="center", fontsize=8)
+    ax.set_xlim(-9.0, width - 9.0)
+    ax.set_ylim(-0.5, top + 2.2)
+    _hide_axes(ax)
+    ax.set_title(title or f"token t of sequence b: slot t % {page_size} of pool page block_table[b, t // "
+                 f"{page_size}]", fontsize=9)
+    return fig
+
+
+def split_weights(m: Sequence[float], l: Sequence[float]) -> tuple[float, float, np.ndarray]:
+    """The merge of splits with maxima ``m`` and sums ``l`` (one query row): ``(m, l, weights)``, where
+    ``m = max m_i``, ``l = sum l_i e^(m_i - m)`` and ``weights[i] = l_i e^(m_i - m) / l`` is split ``i``'s share of
+    the softmax (0 for a split that saw no key, ``m_i = -inf``; all 0 when no split saw one)."""
+    m_i, l_i = np.asarray(m, np.float64), np.asarray(l, np.float64)
+    top = float(m_i.max()) if m_i.size else -np.inf
+    if not np.isfinite(top):
+        return top, 0.0, np.zeros_like(l_i)
+    scaled = l_i * np.exp(m_i - top)  # -inf - top = -inf: an empty split weighs 0
+    total = float(scaled.sum())
+    return top, total, scaled / total
+
+
+def _number(x: float) -> str:
+    return "−∞" if np.isneginf(x) else f"{x:.3g}"
+
+
+def plot_split_kv(bounds: Sequence[tuple[int, int]], m: Sequence[float], l: Sequence[float],
+                  length: int, *, ax: Axes | None = None, title: str | None = None) -> Figure:
+    """Split-KV for one query row: the cache's keys cut into ``bounds`` (keys at and past ``length`` greyed),
+    each split's partial state ``(m_i, l_i, acc_i)`` below it, and arrows into the merged state, each labelled
+    with the split's share of the softmax (:func:`split_weights`)."""
+    if not (len(bounds) == len(m) == len(l)) or not bounds:
+        raise ValueError(f"one (m, l) per split: got {len(bounds)} bounds, {len(m)} m and {len(l)} l")
+    top, total, weights = split_weights(m, l)
+    max_len = bounds[-1][1]
+    width = 10.0  # the cache bar's width in data units, whatever its keys
+    unit = width / max_len
+    fig, ax = figure_and_axes(ax, (8.0, 4.6))
+    centers = []
+    for i, ((lo, hi), m_i, l_i) in enumerate(zip(bounds, m, l, strict=True)):
+        live_hi = min(max(length, lo), hi)
+        draw_tile(ax, lo * unit, 4.0, (live_hi - lo) * unit, 0.6, PALETTE["K"], 0.35 + 0.4 * (i % 2),
+                  edge=PALETTE["ink"])
+        if hi > live_hi:
+            ax.add_patch(Rectangle((live_hi * unit, 4.0), (hi - live_hi) * unit, 0.6, facecolor=PALETTE["skipped"],
+                                   hatch="//", edgecolor="white", alpha=0.6))
+        ax.add_patch(Rectangle((lo * unit, 4.0), (hi - lo) * unit, 0.6, fill=False, edgecolor=PALETTE["ink"], lw=1.2))
+        ax.text((lo + hi) / 2 * unit, 4.75, f"split {i}\nkeys {lo}–{hi - 1}", ha="center", va="bottom", fontsize=7)
+        cx = (lo + hi) / 2 * unit
+        centers.append(cx)
+        empty = np.isneginf(m_i)
+        ax.text(cx, 2.75, f"m_{i} = {_number(m_i)}\nl_{i} = {l_i:.3g}\nacc_{i}" + (" (no key)" if empty else ""),
+                ha="center", va="center", fontsize=7,
+                bbox={"boxstyle": "round", "facecolor": PALETTE["skipped"] if empty else "white",
+                      "edgecolor": PALETTE["K"]})
+        ax.add_patch(FancyArrowPatch((cx, 3.95), (cx, 3.25), arrowstyle="-|>", mutation_scale=8,
+                                     color=PALETTE["ink"], lw=0.8))
+        ax.add_patch(FancyArrowPatch((cx, 2.25), (width / 2, 0.95), arrowstyle="-|>", mutation_scale=8,
+                                     color=PALETTE["O"], lw=0.6 + 4.0 * float(weights[i]), alpha=0.8))
+        ax.text(cx + 0.3 * (width / 2 - cx), 1.86, f"{100 * weights[i]:.0f}%", ha="center", va="center",
+                fontsize=7, color=PALETTE["O"], bbox={"boxstyle": "round,pad=0.15", "facecolor": "white",
+                                                       "edgecolor": "none"})
+    ax.plot([length * unit] * 2, [3.9, 4.7], color=PALETTE["masked"], lw=1.5)
+    ax.text(length * unit + 0.08, 3.85, f"length {length}", ha="left", va="top", fontsize=7, color=PALETTE["masked"])
+    ax.text(width / 2, 0.45, f"merged: m = max m_i = {_number(top)}   l = Σ l_i e^(m_i − m) = {total:.4g}\n"
+            "acc = Σ acc_i e^(m_i − m)   output = acc / l", ha="center", va="center", fontsize=8,
+            bbox={"boxstyle": "round", "facecolor": "white", "edgecolor": PALETTE["O"], "lw": 1.5})
+    ax.set_xlim(-0.3, width + 0.9)
+    ax.set_ylim(-0.2, 5.6)
+    _hide_axes(ax)
+    ax.set_title(title or "split-KV: each split's partial state, weighted by its share of the softmax "
+                 "(l_i e^(m_i − m) / l)", fontsize=9)
+    return fig
