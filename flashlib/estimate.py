@@ -24,6 +24,7 @@ table (:mod:`flashlib.provenance`) and the sweep's progress (:mod:`flashlib.prog
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.metadata
 import json
@@ -39,7 +40,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import flashlib
 from flashlib import cost, env, hardware, llo_dump
 from flashlib.kernels import BlockSizes, tpu_forward
 from flashlib.kernels.block_sizes import GENERATIONS
@@ -49,6 +49,7 @@ from flashlib.tpu_compile import explain_compiler_error
 
 __all__ = [
     "MIN_LIBTPU",
+    "BelowFloorError",
     "CycleEstimate",
     "EstimateError",
     "LibtpuMissingError",
@@ -89,6 +90,12 @@ class ProfilerCrashError(EstimateError):
     """libtpu's static profiler aborted on a kernel the compiler itself accepts (a libtpu bug)."""
 
 
+class BelowFloorError(EstimateError):
+    """The estimate is below a physical floor (the MXUs at peak, or HBM at full bandwidth): the static model
+    did not count some of the work, so the number flatters. Work under a ``pl.when`` whose condition reads SMEM
+    (scalar-prefetched tables) is the known cause: the model treats it as never run."""
+
+
 # ---------------------------------------------------------------------------------------------------
 # Result
 # ---------------------------------------------------------------------------------------------------
@@ -107,6 +114,7 @@ class CycleEstimate:
       libtpu_version: the libtpu that made the estimate.
       compile_seconds: wall time of the ahead-of-time compile.
       bundles: per-op :class:`~flashlib.llo_dump.BundleStats` when asked for (``bundles=True``), else None.
+      hbm_bytes: the fewest HBM bytes the function must move (the caller's count), for :attr:`hbm_floor`.
     """
 
     topology: str
@@ -116,6 +124,7 @@ class CycleEstimate:
     libtpu_version: str
     compile_seconds: float
     bundles: Mapping[str, BundleStats] | None = None
+    hbm_bytes: float | None = None
 
     @property
     def total_cycles(self) -> int:
@@ -136,6 +145,23 @@ class CycleEstimate:
     def mxu_floor(self) -> float:
         """Cycles the device's MXUs need for ``flops`` at full rate (:func:`hardware.mxu_floor_cycles`)."""
         return hardware.mxu_floor_cycles(self.flops, self.chip) if self.flops else math.nan
+
+    @property
+    def hbm_floor(self) -> float:
+        """Cycles HBM needs to move ``hbm_bytes`` at full bandwidth (nan without a byte count)."""
+        return self.hbm_bytes / self.chip.hbm_bandwidth * self.chip.clock_hz if self.hbm_bytes else math.nan
+
+    @property
+    def floor(self) -> float:
+        """The higher of :attr:`mxu_floor` and :attr:`hbm_floor` that is known (nan if neither): no real
+        kernel can take fewer cycles."""
+        known = [f for f in (self.mxu_floor, self.hbm_floor) if not math.isnan(f)]
+        return max(known) if known else math.nan
+
+    @property
+    def below_floor(self) -> bool:
+        """True when :attr:`total_cycles` is under :attr:`floor`: the model missed work (see BelowFloorError)."""
+        return not math.isnan(self.floor) and self.total_cycles < self.floor
 
     @property
     def floor_ratio(self) -> float:
@@ -221,8 +247,8 @@ def failure_status(error: Exception) -> str | None:
     ``"profiler_crash"`` (libtpu's static profiler aborted on a kernel that compiles), ``"compile_error"``
     (the compiler's refusal, the final judge). None for a toolchain that cannot estimate at all (no libtpu,
     too old, a chip its cost model does not cover): no configuration would fare better, so the caller
-    re-raises."""
-    if isinstance(error, _TOOLCHAIN_ERRORS):
+    re-raises; None too for :class:`BelowFloorError`, a bug in what is estimated, never a configuration's cost."""
+    if isinstance(error, (*_TOOLCHAIN_ERRORS, BelowFloorError)):
         return None
     if isinstance(error, ProfilerCrashError):
         return "profiler_crash"
@@ -359,6 +385,8 @@ def estimate_cycles(
     flops: float | None = None,
     bundles: bool = False,
     timeout: float = 600.0,
+    hbm_bytes: float | None = None,
+    allow_below_floor: bool = False,
     **static_kwargs: Any,
 ) -> CycleEstimate:
     """libtpu's static cycle estimate of ``fn(*args, **static_kwargs)`` compiled for ``topology``.
@@ -373,15 +401,18 @@ def estimate_cycles(
         its ``pl.CostEstimate``).
       bundles: also dump the VLIW bundle listings and count their instructions (:attr:`CycleEstimate.bundles`).
       timeout: seconds before the compile is abandoned.
+      hbm_bytes: the fewest HBM bytes ``fn`` must move, for the HBM floor (:attr:`CycleEstimate.hbm_floor`).
+      allow_below_floor: return an estimate below the floor of the caller's ``flops`` or ``hbm_bytes`` instead
+        of raising :class:`BelowFloorError`: only to show what the model does not count, never as a cost.
       static_kwargs: passed to ``fn`` as Python values (not traced), e.g. ``causal=True``.
 
     Raises:
-      LibtpuMissingError, LibtpuTooOldError, UnsupportedChipError, ProfilerCrashError, or EstimateError
-      (does not compile, e.g. VMEM overflow), each with a sentence saying what to do.
+      LibtpuMissingError, LibtpuTooOldError, UnsupportedChipError, ProfilerCrashError, BelowFloorError, or
+      EstimateError (does not compile, e.g. VMEM overflow), each with a sentence saying what to do.
     """
     chip = _check_can_estimate(topology)
     result, cycles, stats = _run(fn, args, static_kwargs, topology=topology, bundles=bundles, timeout=timeout)
-    return CycleEstimate(
+    found = CycleEstimate(
         topology=topology,
         chip=chip,
         kernels=cycles,
@@ -389,7 +420,18 @@ def estimate_cycles(
         libtpu_version=libtpu_version() or "?",
         compile_seconds=result["seconds"],
         bundles=stats,
+        hbm_bytes=hbm_bytes,
     )
+    # Only against the caller's counts: the compiler's cost analysis of a kernel may count padded work.
+    judged = dataclasses.replace(found, flops=flops)
+    if judged.below_floor and not allow_below_floor:
+        raise BelowFloorError(
+            f"{found.total_cycles:,} cycles for {topology} is below the floor of {judged.floor:,.0f} (MXU "
+            f"{judged.mxu_floor:,.0f}, HBM {judged.hbm_floor:,.0f}): the static model did not count some of the "
+            "work (code under a pl.when whose condition reads SMEM counts as never run). Estimate a form whose "
+            "guards read program ids (flashlib_forward's estimate_as), or pass allow_below_floor=True to see "
+            "only what the model counted")
+    return found
 
 
 def bundle_stats(fn: Callable[..., Any] | str, *args: Any, topology: str = "v5e:1x1", **static_kwargs: Any):
@@ -404,34 +446,59 @@ def bundle_stats(fn: Callable[..., Any] | str, *args: Any, topology: str = "v5e:
 
 def flashlib_forward(q, k, v, *, causal: bool, block_q: int, block_k: int, generation: str | None = None,
                      block_k_major: int | None = None, window: tuple[int | None, int | None] | None = None,
-                     compact: bool | None = False, estimate_as: str | None = None):
+                     compact: bool | None = False, estimate_as: str = "auto"):
     """flashlib's Pallas forward kernel, compiled (not interpreted), with the given blocks (and window).
 
     ``compact`` (:func:`flashlib.kernels.tpu_forward.forward`): False (default) the full causal grid, skipping by
-    program-id guards, which a static estimate sees; True the compacted causal grid, whose work sits under
-    guards on scalar-prefetched data that the estimate counts as never run; None what ``flashlib.attention``
-    picks. ``estimate_as`` (compacted only) shows that work to the model: ``"program_ids"`` computes each step's
-    pair from its program id and the schedule's constants (:func:`flashlib.geometry.scheduled_pair`: the same
-    results, guards and index maps the model evaluates, plus ``num_q_blocks`` scalar compares per step where the
-    real kernel loads four SMEM words); ``"plain"`` / ``"masked"`` compute every sub-block of every live step
-    without guards, with ``init``/``finalize`` as often as the real kernel but on program ids (wrong outputs;
-    cycle counts to bracket the real kernel's).
+    program-id guards, which a static estimate sees; True the compacted causal grid; None what
+    ``flashlib.attention`` picks (compacted where that drops a step). The compacted kernel as shipped reads its
+    schedule from scalar-prefetched tables, and the static model counts the work under guards on SMEM data as
+    never run, so ``estimate_as`` says which form of it is compiled:
+
+    * ``"auto"`` (default): a compacted grid as ``"program_ids"``, anything else as shipped. An estimate of
+      what ``flashlib.attention`` runs is honest by construction.
+    * ``"program_ids"`` (compacted only) computes each step's pair from its program id and the schedule's
+      constants (:func:`flashlib.geometry.scheduled_pair`: the same results, guards and index maps the model
+      evaluates, plus ``num_q_blocks`` scalar compares per step where the real kernel loads four SMEM words).
+    * ``"plain"`` / ``"masked"`` (compacted only) compute every sub-block of every live step without guards,
+      with ``init``/``finalize`` as often as the real kernel but on program ids (wrong outputs; cycle counts to
+      bracket the real kernel's).
+    * ``"as_shipped"``: the kernel exactly as it ships, SMEM guards and all: what the model misses (its estimate
+      of a compacted grid falls below the MXU floor; :func:`estimate_cycles` refuses it unless
+      ``allow_below_floor``).
 
     With GQA the query heads a step computes travel as separate 2-D operands (``separate_heads``: the static
     profiler reads no kernel whose blocks have three dimensions); the stack of their outputs afterwards is its
     own op in the estimate (:attr:`CycleEstimate.kernels`), which the kernel as shipped does not run."""
+    if estimate_as not in ("auto", "program_ids", "plain", "masked", "as_shipped"):
+        raise ValueError(f"estimate_as must be 'auto', 'program_ids', 'plain', 'masked' or 'as_shipped', got "
+                         f"{estimate_as!r}")
     sizes = BlockSizes(block_q=block_q, block_k=block_k, generation=generation, block_k_major=block_k_major)
-    if compact is None:
-        return flashlib.attention(q, k, v, causal=causal, impl="pallas", interpret=False, block_sizes=sizes,
-                                  window=window)
     from flashlib.kernels.options import resolve_call
     from flashlib.masks import check_window
 
     call = resolve_call(q, k, v, causal=causal, scale=None, block_sizes=sizes, interpret=False)
     variants = KernelVariants.of(window=None if window is None else check_window(window))
+    if estimate_as == "auto":
+        estimate_as = "program_ids" if _compacts(q, k, call.sizes, causal, variants, compact) else "as_shipped"
     return tpu_forward.forward(q, k, v, causal=bool(causal), scale=call.scale, sizes=call.sizes,
                                interpret=call.interpret, return_lse=False, variants=variants, compact=compact,
-                               estimate_as=estimate_as, separate_heads=True)
+                               estimate_as=None if estimate_as == "as_shipped" else estimate_as,
+                               separate_heads=True)
+
+
+def _compacts(q, k, sizes: BlockSizes, causal: bool, variants: KernelVariants, compact: bool | None) -> bool:
+    """Whether :func:`tpu_forward.forward` walks a compacted grid for this call (its schedule is not None)."""
+    from flashlib import geometry
+    from flashlib.tiling import round_up
+
+    q_len, kv_len = q.shape[2], k.shape[2]
+    num_q_blocks = round_up(q_len, sizes.block_q) // sizes.block_q
+    num_kv_steps = round_up(kv_len, sizes.kv_step) // sizes.kv_step
+    schedule = geometry.compacted_schedule(compact, num_q_blocks, num_kv_steps, block_q=sizes.block_q,
+                                           kv_step=sizes.kv_step, q_len=q_len, kv_len=kv_len, causal=bool(causal),
+                                           window=variants.window, segments=variants.segments)
+    return schedule is not None
 
 
 def flashlib_segments_forward(q, k, v, q_segments, kv_segments, *, causal: bool, block_q: int, block_k: int,
@@ -474,6 +541,7 @@ def estimate_attention(
     generation: str | None = None,
     bundles: bool = False,
     timeout: float = 600.0,
+    compact: bool | None = False,
 ) -> CycleEstimate:
     """The static estimate of one attention forward ``[batch, heads, seq, head_dim]``, against the ideal FLOPs
     (:func:`flashlib.cost.attention_flops`: ``4 * seq * kv_seq * head_dim`` per head, about half when causal).
@@ -482,6 +550,11 @@ def estimate_attention(
     the VMEM budget of ``generation`` (default: the topology's; ``"v6e"`` lets the compiler, rather than
     flashlib's conservative estimate, judge v5e blocks). For both kernels ``block_k_major`` (default
     ``block_k``) is the key block copied per grid step, ``block_k`` the sub-block computed on at a time.
+    ``compact`` (pallas, causal): False the full grid, True the compacted one, None what ``flashlib.attention``
+    runs; a compacted grid is estimated in its program-id form (:func:`flashlib_forward`'s ``"auto"``).
+
+    Never flatters: below the MXU floor of those FLOPs, or the HBM floor of q, k, v and out crossing once, it
+    raises :class:`BelowFloorError` (the static model missed work) instead of returning a number.
     """
     if impl not in _RECIPES:
         raise ValueError(f"impl must be one of {', '.join(_RECIPES)}, got {impl!r}")
@@ -496,12 +569,12 @@ def estimate_attention(
             generation = topology.split(":")[0]
         sizes = BlockSizes(block_q=block_q, block_k=block_k, generation=generation, block_k_major=block_k_major)
         sizes.fit(seq, kv_seq, dtype).validate(dtype, head_dim)  # refuse here, before a subprocess starts
-        options["generation"] = generation
+        options.update(generation=generation, compact=compact)
         if block_k_major is not None:
             options["block_k_major"] = block_k_major
     else:
         options["block_k_major"] = block_k if block_k_major is None else block_k_major
     flops = float(cost.attention_flops(batch, heads, seq, kv_seq, head_dim, causal))
-    return estimate_cycles(
-        _RECIPES[impl], q, kv, kv, topology=topology, flops=flops, bundles=bundles, timeout=timeout, **options
-    )
+    hbm_bytes = float(cost.attention_bytes(batch, heads, seq, kv_seq, head_dim, causal, dtype))  # each once
+    return estimate_cycles(_RECIPES[impl], q, kv, kv, topology=topology, flops=flops, hbm_bytes=hbm_bytes,
+                           bundles=bundles, timeout=timeout, **options)

@@ -79,7 +79,7 @@ def rows(topology: str, shapes):
             continue
         row["compacted"] = _cycles(*blocks, compact=True, estimate_as="program_ids")
         row["compacted_over_today"] = round(row["compacted"] / row["today"], 3)
-        row["compacted_as_estimated"] = _cycles(*blocks, compact=True)
+        row["compacted_as_estimated"] = _cycles(*blocks, compact=True, estimate_as="as_shipped")
         plain = row["plain_unguarded"] = _cycles(*blocks, compact=True, estimate_as="plain")
         masked = row["masked_unguarded"] = _cycles(*blocks, compact=True, estimate_as="masked")
         yield dict(row, masked_share=round(share, 4), interpolated=round(plain + share * (masked - plain)))
