@@ -131,6 +131,9 @@ CASES = [
     Case(2048, 1024, 1, 64, "bfloat16", False, Blocks(512, 256, None, 256, 128, 128, 256), seed=2),
     Case(1024, 2048, 1, 64, "float32", False, Blocks(128, 512, 128, 128, 256, 256, 128), seed=3),
     Case(2048, 2048, 1, 128, "bfloat16", True, Blocks(256, 256, 128, 256, 256, 128, 128), seed=4),
+    # issue 24's row: pallas's dq error was 0.0272 against the 0.0203 allowed here (128 x 128 blocks throughout);
+    # measured 0.013-0.018 over seeds 0-3 on 2026-12-03 (out, dk and dv within the rule too)
+    Case(512, 512, 2, 128, "bfloat16", True, Blocks(128, 128, None, 128, 128, 128, 128), seed=5),
 ]
 LSE_CASES = [CASES[0], CASES[2], CASES[4]]
 LSE_IMPLS = ("blockwise", "pallas")  # the implementations that return the logsumexp
