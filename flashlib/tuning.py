@@ -35,6 +35,7 @@ from flashlib import cost, estimate, hardware
 from flashlib.kernels.block_sizes import entry_block_sizes, lookup
 from flashlib.kernels.candidates import BLOCK_CHOICES, MAJOR_CHOICES, candidates, screen
 from flashlib.kernels.tuned_table import (
+    PACKAGED_TABLE,
     STATUSES,
     TABLE_PATH,
     TableKey,
@@ -50,6 +51,7 @@ __all__ = [  # the table's records and reader live with the kernels that read it
     "JAX_FLASH_CHOICES",
     "JAX_FLASH_DEFAULT",
     "MAJOR_CHOICES",
+    "PACKAGED_TABLE",
     "STATUSES",
     "TABLE_PATH",
     "table_path",

@@ -181,8 +181,8 @@ def block_size_explorer(table: Mapping[TableKey, TuningResult], *, figsize: tupl
     import ipywidgets as widgets
 
     if not table:
-        raise ValueError("table is empty: pass flashlib.tuning.load_tuned_table(path) with the committed "
-                         "data/tuning/forward_blocks.json (a pip-installed flashlib has no data/)")
+        raise ValueError("table is empty: pass flashlib.tuning.load_tuned_table(), the tuned table the package "
+                         "ships (data/tuning/forward_blocks.json in a clone)")
     keys = list(table)
 
     def choices(field: str) -> list:

@@ -189,3 +189,13 @@ def test_installs_from_the_uploaded_bundle(colab, tmp_path):
     shutil.copy(bundle, folder / bundle.name)
     probe = _execute(python, "00_start_here.ipynb", folder, env)
     _check_install(probe, folder, "flashlib-colab/data")
+    # A runtime restarted without the setup cell: no FLASHLIB_DATA, an empty folder. The defaults are this
+    # checkout's (the tuned table ships in the wheel; it once fell back to other blocks here, silently).
+    restarted = tmp_path / "restarted"
+    restarted.mkdir()
+    defaults = ("from flashlib.kernels import BlockSizes\n"
+                "print([BlockSizes.default(8192, 8192, 128, 'bfloat16', generation=g) for g in ('v5e', 'v6e')])")
+    from flashlib.kernels import BlockSizes
+
+    want = [BlockSizes.default(8192, 8192, 128, "bfloat16", generation=g) for g in ("v5e", "v6e")]
+    assert _run(python, "-c", defaults, env=env, cwd=restarted).stdout.strip() == str(want)

@@ -171,20 +171,38 @@ def test_a_missing_table_is_empty(tmp_path):
     assert tuning.load_tuned_table(tmp_path / "absent.json") == {}
 
 
-def test_the_table_is_found_through_flashlib_data(tmp_path, monkeypatch):
-    # A pip-installed flashlib (Colab) has no data/ next to the package; the setup cell sets FLASHLIB_DATA.
+def test_the_packaged_table_is_read_whatever_flashlib_data_says(tmp_path, monkeypatch):
+    """The defaults read the table inside the package: a Colab runtime restarted without its setup cell (no
+    FLASHLIB_DATA) and one pointing FLASHLIB_DATA at another data folder get the same blocks (before the table
+    shipped in the wheel, v5e's default for 8192 x 8192 bf16 lost its 4096-key copies and v6e's 1024 x 1024
+    became 1024 x 512 there). The repository's data/tuning/forward_blocks.json is a link to that file."""
     from flashlib.data import DATA_ENV_VAR, DATA_FILE
+    from flashlib.kernels import BlockSizes
 
+    assert tuning.table_path() == tuning.PACKAGED_TABLE and tuning.PACKAGED_TABLE.parent.name == "kernels"
+    assert tuning.TABLE_PATH.resolve() == tuning.PACKAGED_TABLE
+    want = [BlockSizes.default(8192, 8192, 128, "bfloat16", generation=g) for g in ("v5e", "v6e")]
+    assert want[0].block_k_major == 4096 and (want[1].block_q, want[1].block_k) == (1024, 1024)
     (tmp_path / DATA_FILE).touch()
     (tmp_path / "tuning").mkdir()
     entries = json.loads(tuning.TABLE_PATH.read_text())
     entries["entries"] = entries["entries"][:1]
     (tmp_path / "tuning" / tuning.TABLE_PATH.name).write_text(json.dumps(entries))
-    monkeypatch.setenv(DATA_ENV_VAR, str(tmp_path))
-    assert tuning.table_path() == tmp_path / "tuning" / tuning.TABLE_PATH.name
-    assert len(tuning.load_tuned_table()) == 1
-    monkeypatch.setenv(DATA_ENV_VAR, str(tmp_path / "elsewhere"))  # no data there: the repository's table
-    assert tuning.table_path() == tuning.TABLE_PATH
+    for setting in (str(tmp_path), None):
+        if setting is None:
+            monkeypatch.delenv(DATA_ENV_VAR, raising=False)
+        else:
+            monkeypatch.setenv(DATA_ENV_VAR, setting)
+        assert tuning.table_path() == tuning.PACKAGED_TABLE
+        assert [BlockSizes.default(8192, 8192, 128, "bfloat16", generation=g) for g in ("v5e", "v6e")] == want
+
+
+def test_a_missing_packaged_table_is_an_install_error(tmp_path, monkeypatch):
+    from flashlib.kernels import tuned_table
+
+    monkeypatch.setattr(tuned_table, "PACKAGED_TABLE", tmp_path / "forward_blocks.json")
+    with pytest.raises(FileNotFoundError, match="missing from the installed package.*reinstall"):
+        tuning.load_tuned_table()
 
 
 def _table_script():

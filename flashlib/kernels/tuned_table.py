@@ -29,10 +29,9 @@ from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 
-from flashlib import data
-
 __all__ = [
     "STATUSES",
+    "PACKAGED_TABLE",
     "TABLE_PATH",
     "TableKey",
     "Trial",
@@ -42,8 +41,11 @@ __all__ = [
     "table_path",
 ]
 
-TABLE_NAME = "tuning/forward_blocks.json"  # inside a data folder (flashlib.data.find_data_file)
-TABLE_PATH = Path(__file__).resolve().parents[2] / "data" / TABLE_NAME  # a clone's or an editable install's
+TABLE_NAME = "tuning/forward_blocks.json"  # the repository's data/ names it there (a link to the packaged file)
+# The table ships inside the package (package data in pyproject.toml): BlockSizes.default reads the same table in a
+# clone, an editable install and a pip-installed wheel, whatever FLASHLIB_DATA says (or that it is unset).
+PACKAGED_TABLE = Path(__file__).resolve().with_name("forward_blocks.json")
+TABLE_PATH = Path(__file__).resolve().parents[2] / "data" / TABLE_NAME  # a clone's path to it, for its readers
 # What became of one configuration: an estimate, flashlib's own refusal (tiling rule or VMEM budget), the
 # compiler's error, or libtpu's static profiler aborting on a kernel that compiles.
 STATUSES: tuple[str, ...] = ("ok", "refused", "compile_error", "profiler_crash")
@@ -190,16 +192,19 @@ def _load(path: Path, mtime: float) -> dict[TableKey, TuningResult]:
 
 
 def table_path() -> Path:
-    """Where the tuned table is read from: ``tuning/forward_blocks.json`` in the first data folder that has it
-    (:func:`flashlib.data.find_data_file`: ``$FLASHLIB_DATA`` first, as a pip-installed flashlib on Colab sets
-    it), else :data:`TABLE_PATH` (a clone or an editable install), which may be absent."""
-    return data.find_data_file(TABLE_NAME) or TABLE_PATH
+    """Where the tuned table is read from: :data:`PACKAGED_TABLE`, inside the installed package, so the defaults
+    never change with the environment (a Colab runtime restarted without its setup cell, which set
+    ``$FLASHLIB_DATA``, read a different table before the table shipped in the wheel). The repository's
+    ``data/tuning/forward_blocks.json`` is a link to it."""
+    return PACKAGED_TABLE
 
 
 def load_tuned_table(path: str | Path | None = None) -> dict[TableKey, TuningResult]:
-    """``{TableKey: TuningResult}`` from ``path``, by default :func:`table_path`; ``{}`` when the file is absent
-    (a pip-installed flashlib without the repository's ``data/``: the defaults fall back to the generation's
-    preferred blocks)."""
+    """``{TableKey: TuningResult}`` from ``path``, by default :func:`table_path`; ``{}`` when a ``path`` given
+    is absent. The packaged table missing is an install error, said as one (never a silent change of defaults)."""
+    if path is None and not PACKAGED_TABLE.exists():
+        raise FileNotFoundError(f"flashlib's tuned block table is missing from the installed package "
+                                f"({PACKAGED_TABLE}); reinstall flashlib (the wheel ships it as package data)")
     path = Path(table_path() if path is None else path)
     return _load(path, path.stat().st_mtime) if path.exists() else {}
 
