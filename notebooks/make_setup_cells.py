@@ -45,7 +45,8 @@ def badge_source(notebook: str) -> str:
 
 
 def _cell(kind: str, source: str, tag: str, cell_id: str) -> dict:
-    cell = {"cell_type": kind, "id": cell_id, "metadata": {"tags": [tag]}, "source": source.splitlines(keepends=True)}
+    metadata = {"cellView": "form", "tags": [tag]} if tag == SETUP_TAG else {"tags": [tag]}  # Colab: collapsed
+    cell = {"cell_type": kind, "id": cell_id, "metadata": metadata, "source": source.splitlines(keepends=True)}
     if kind == "code":
         cell.update(execution_count=None, outputs=[])
     return dict(sorted(cell.items()))  # the key order nbformat writes

@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -77,15 +78,12 @@ def test_the_cells_come_from_the_declared_home():
         "https://colab.research.google.com/github/someone/flashlib/blob/v0.1.0/notebooks/00_start_here.ipynb")
 
 
-def test_the_no_bundle_message_names_this_release(tmp_path):
-    """Without a bundle and with the placeholder home, the cell's message names the zip and the tag with this
-    release's version filled in (the tag's sentence once printed a literal ``v{FLASHLIB_VERSION}``). Run in
-    this process with a stand-in ``google.colab``, in an empty folder: it raises before touching anything."""
-    if not release.is_placeholder(release.declared_home()):
-        pytest.skip("the home is published")
+def _run_setup_cell_here(folder: Path) -> str:
+    """Run this release's setup cell in this process, in ``folder``, with a stand-in ``google.colab``; return the
+    message of the ``RuntimeError`` it must raise (before anything is installed)."""
     stand_in = sys.modules.setdefault("google.colab", type(sys)("google.colab"))
     cwd = os.getcwd()
-    os.chdir(tmp_path)
+    os.chdir(folder)
     try:
         with pytest.raises(RuntimeError) as raised:
             exec(setup_cells.setup_source(), {})
@@ -93,10 +91,47 @@ def test_the_no_bundle_message_names_this_release(tmp_path):
         os.chdir(cwd)
         if sys.modules.get("google.colab") is stand_in:
             del sys.modules["google.colab"]
-    message, version = str(raised.value), release.version()
+    return str(raised.value)
+
+
+def test_the_no_bundle_message_names_this_release(tmp_path):
+    """Without a bundle and with the placeholder home, the cell's message names the zip and the tag with this
+    release's version filled in (the tag's sentence once printed a literal ``v{FLASHLIB_VERSION}``). Run in
+    this process with a stand-in ``google.colab``, in an empty folder: it raises before touching anything."""
+    if not release.is_placeholder(release.declared_home()):
+        pytest.skip("the home is published")
+    message, version = _run_setup_cell_here(tmp_path), release.version()
     assert f"flashlib-colab-{version}.zip" in message and f"tag v{version}:" in message
     assert "{" not in message and "}" not in message
     assert list(tmp_path.iterdir()) == []
+
+
+def _zip_with(path: Path, *members: str) -> Path:
+    with zipfile.ZipFile(path, "w") as archive:
+        for member in members:
+            archive.writestr(member, "")
+    return path
+
+
+def test_a_renamed_upload_of_another_release_is_named_and_refused(tmp_path):
+    """A browser renames a second upload ("... (1).zip"): it is still found, and a bundle of another release is
+    refused with the fix (the cell said "not published yet" and never named the zip that was there)."""
+    version = release.version()
+    upload = _zip_with(tmp_path / f"flashlib-colab-{version} (1).zip", "flashlib_tutorial-0.0.9-py3-none-any.whl")
+    message = _run_setup_cell_here(tmp_path)
+    assert f"{upload.name} holds flashlib 0.0.9" in message and f"upload flashlib-colab-{version}.zip" in message
+    assert sorted(p.name for p in tmp_path.iterdir()) == [upload.name]  # nothing extracted, nothing installed
+    upload.unlink()
+    _zip_with(tmp_path / f"flashlib-colab-{version}.zip", "a-1-py3-none-any.whl", "b-1-py3-none-any.whl")
+    assert "holds 2 wheels" in _run_setup_cell_here(tmp_path)
+
+
+def test_a_source_that_cannot_be_cloned_is_one_sentence(tmp_path, monkeypatch):
+    """FLASHLIB_SOURCE naming no repository (or a tag not pushed): one sentence, not git's CalledProcessError."""
+    monkeypatch.setenv("FLASHLIB_SOURCE", (tmp_path / "no-such-repository").as_uri())
+    message = _run_setup_cell_here(tmp_path)
+    assert message.startswith(f"git could not clone tag v{release.version()} of file://") and "upload" in message
+    assert not (tmp_path / "flashlib-src").exists()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -187,6 +222,8 @@ def test_installs_from_the_uploaded_bundle(colab, tmp_path):
     folder = tmp_path / "content"
     folder.mkdir()
     shutil.copy(bundle, folder / bundle.name)
+    (folder / "flashlib-colab").mkdir()  # an earlier upload's extraction (two wheels made the cell fail)
+    (folder / "flashlib-colab" / f"{release.DISTRIBUTION.replace('-', '_')}-0.0.9-py3-none-any.whl").touch()
     probe = _execute(python, "00_start_here.ipynb", folder, env)
     _check_install(probe, folder, "flashlib-colab/data")
     # A runtime restarted without the setup cell: no FLASHLIB_DATA, an empty folder. The defaults are this
