@@ -112,3 +112,79 @@ def test_imbalance_wrong_answers_fail(wrong):
 def test_imbalance_solution_passes(capsys):
     nb11.check_contiguous_imbalance(lambda n: 2 - 1 / n)
     assert "passed: contiguous_imbalance" in capsys.readouterr().out
+
+
+# -- 11 puzzle: the zig-zag assignment ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("wrong, message", [
+    (lambda i, n: (i, 2 * n - i), r"case 'n = 1 devices.*chunk\(s\) \[2\] lie outside 0..1.*2n - 1 - i"),  # mutant
+    (lambda i, n: (i, 2 * n + 1 - i), r"chunk\(s\) \[3\] lie outside 0..1"),  # mutant
+    (lambda i, n: (i, 2 * n - 1 + i), r"case 'n = 2 devices.*chunk\(s\) \[4\] lie outside"),  # mutant
+    (lambda i, n: (i, 2 / n - 1 - i), r"case 'n = 2 devices.*chunk\(s\) \[-1\] lie outside"),  # mutant
+    (lambda i, n: (i, 3 * n - 1 - i), r"chunk\(s\) \[2\] lie outside"),  # mutant
+    (lambda i, n: (i, n - 1 - i), r"case 'n = 1 devices.*chunk\(s\) \[0\] are held twice"),  # mutant (1 * n)
+    (lambda i, n: (i, 2 * n - 2 - i), r"chunk\(s\) \[0\] are held twice"),  # mutant
+    (lambda i, n: (2 * i, 2 * i + 1), r"case 'n = 2 devices.*not the same number.*pair an early chunk with a late"),
+    (lambda i, n: (2 * n - 1 - i, i), r"case 'n = 1 devices, 2 chunks, device 0' — got \(1, 0\).*chunk i first"),
+    (lambda i, n: (i,), "each device holds exactly two chunks"),
+], ids=["2n-i", "2n+1-i", "2n-1+i", "2/n", "3n", "n-1-i", "2n-2-i", "neighbours", "late first", "one chunk"])
+def test_zigzag_wrong_answers_fail_with_their_mistake(wrong, message):
+    with pytest.raises(CheckFailed, match=message):
+        nb11.check_zigzag_chunks(wrong)
+
+
+def test_zigzag_stub_and_solution(capsys):
+    nb11.ZIGZAG_CHUNKS.use(_stub)
+    assert "not attempted yet" in capsys.readouterr().out
+    assert nb11.ZIGZAG_CHUNKS.use(nb11.zigzag_chunks_solution) is nb11.zigzag_chunks_solution
+    assert "passed: zigzag_chunks" in capsys.readouterr().out
+
+
+# -- 11 puzzle: the causal ring step --------------------------------------------------------------------
+
+
+def _pairs(device, step, n, zigzag, *, source=lambda i, s, n: (i - s) % n, late=lambda i, n: 2 * n - 1 - i,
+           kind=lambda a, b: nb11.FULL if b < a else nb11.DIAGONAL if b == a else nb11.SKIP):
+    """The solution with one piece swapped for a learner's mistake (the defaults give the right answer)."""
+    def chunks(i):
+        return (i, late(i, n)) if zigzag else (i,)
+    return {(a, b): kind(a, b) for a in chunks(device) for b in chunks(source(device, step, n))}
+
+
+def _kind(full, diagonal):
+    return lambda a, b: nb11.FULL if full(a, b) else nb11.DIAGONAL if diagonal(a, b) else nb11.SKIP
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"kind": _kind(lambda a, b: b <= a, lambda a, b: b == a)},  # mutant: < made <=
+     r"case 'contiguous, n = 1, device 0, step 0.*want \{\(0, 0\): 'DIAGONAL'\}: a diagonal pair .* treated as full"),
+    ({"kind": _kind(lambda a, b: b > a, lambda a, b: b == a)},  # mutant: < flipped
+     r"case 'contiguous, n = 2, device 0, step 1.*that pair is SKIP"),
+    ({"kind": _kind(lambda a, b: b < a, lambda a, b: b != a)},  # mutant: == made !=
+     r"is the DIAGONAL: half of it is visible"),
+    ({"kind": _kind(lambda a, b: b < a - 1, lambda a, b: b == a)}, r"that pair is FULL"),
+    ({"source": lambda i, s, n: (i + s) % n},  # mutant: the ring the wrong way
+     r"case 'contiguous, n = 3, device 0, step 1.*the ring runs the wrong way"),
+    ({"source": lambda i, s, n: (i - s) // n}, r"case 'contiguous, n = 2, device 1, step 0.*off by one"),  # mutant
+    ({"source": lambda i, s, n: (i - s - 1) % n}, r"case 'contiguous, n = 2, device 0.*off by one: at step 0"),
+    ({"late": lambda i, n: 2 * n - i}, r"case 'zig-zag, n = 1, device 0, step 0.*the wrong chunk pairs.*2n - 1 - i"),
+    ({"late": lambda i, n: 2 * n + 1 - i}, r"case 'zig-zag, n = 1.*the wrong chunk pairs"),  # mutant
+    ({"late": lambda i, n: 2 * n - 1 + i}, r"case 'zig-zag, n = 2, device 1.*the wrong chunk pairs"),  # mutant
+    ({"late": lambda i, n: 2 / n - 1 - i}, r"case 'zig-zag, n = 2, device 0.*the wrong chunk pairs"),  # mutant
+    ({"late": lambda i, n: 3 * n - 1 - i}, r"case 'zig-zag, n = 1.*the wrong chunk pairs"),  # mutant
+    ({"late": lambda i, n: n - 1 - i}, r"case 'zig-zag, n = 1.*the wrong chunk pairs"),  # mutant (1 * n)
+    ({"late": lambda i, n: 2 * n - 2 - i}, r"case 'zig-zag, n = 1.*the wrong chunk pairs"),  # mutant
+], ids=["b<=a full", "b>a full", "!= diagonal", "b<a-1 full", "wrong way", "//n", "one step late", "2n-i", "2n+1-i",
+        "2n-1+i", "2/n", "3n", "n-1-i", "2n-2-i"])
+def test_causal_pairs_wrong_answers_fail_with_their_mistake(options, message):
+    with pytest.raises(CheckFailed, match=message):
+        nb11.check_causal_pairs(functools.partial(_pairs, **options))
+
+
+def test_causal_pairs_stub_and_solution(capsys):
+    nb11.CAUSAL_PAIRS.use(_stub)
+    assert "not attempted yet" in capsys.readouterr().out
+    assert nb11.CAUSAL_PAIRS.use(nb11.causal_pairs_solution) is nb11.causal_pairs_solution
+    assert "passed: causal_pairs" in capsys.readouterr().out
+    nb11.check_causal_pairs(_pairs)  # the test's own right answer passes too

@@ -331,3 +331,13 @@ def test_split_weights_and_plot_split_kv():
     assert f"{100 * weights[0]:.0f}%" in texts and "0%" in texts and f"l = Σ l_i e^(m_i − m) = {total:.4g}" in texts
     with pytest.raises(ValueError, match="one \\(m, l\\) per split"):
         viz.plot_split_kv([(0, 8)], m, l, length=8)
+
+
+def test_plot_chunk_pairs_draws_a_square_per_pair_and_a_legend():
+    pairs = [[{(d, s): "diagonal" if s == d else "full" if s < d else "skip"} for d in range(3)] for s in range(2)]
+    fig = viz.plot_chunk_pairs(pairs)
+    ax = fig.axes[0]
+    labels = sorted(t.get_text() for t in ax.texts)
+    assert labels == sorted(f"{d},{s}" for d in range(3) for s in range(2))  # one square per (step, device) pair
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["full", "diagonal", "skip"]
+    assert len([p for p in ax.patches if p.__class__.__name__ == "Polygon"]) == 4  # 2 diagonals, two halves each

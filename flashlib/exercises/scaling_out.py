@@ -1,9 +1,11 @@
-"""Notebook 11's puzzle and exercise checker.
+"""Notebook 11's puzzles and exercise checker.
 
-Puzzle: :data:`RING_STEP`, one step of ring attention on one device: fold the attention of its queries over
+Puzzles: :data:`RING_STEP`, one step of ring attention on one device: fold the attention of its queries over
 the key/value chunk that just arrived into the running ``(out, lse)`` (notebook 03's merge, written for
-normalised outputs and log-sum-exps). Exercise: the causal imbalance of a ring with contiguous chunks, as a
-formula in the ring size (:func:`check_contiguous_imbalance`).
+normalised outputs and log-sum-exps); :data:`ZIGZAG_CHUNKS`, which two of the ``2n`` chunks device ``i`` holds
+under the zig-zag assignment; :data:`CAUSAL_PAIRS`, which chunk pairs a device computes in full, as the causal
+diagonal, or skips at each ring step. Exercise: the causal
+imbalance of a ring with contiguous chunks, as a formula in the ring size (:func:`check_contiguous_imbalance`).
 """
 
 from __future__ import annotations
@@ -17,9 +19,11 @@ import numpy as np
 from flashlib.checks import CheckFailed
 from flashlib.exercises.puzzle import Puzzle
 from flashlib.reference import attention_oracle
-from flashlib.ring import ring_schedule
+from flashlib.ring import DIAGONAL, FULL, SKIP, RingPlan, chunks_of_device, ring_schedule, to_ring_order
 
-__all__ = ["RING_STEP", "check_contiguous_imbalance", "check_ring_step", "ring_step_solution", "run_ring"]
+__all__ = ["CAUSAL_PAIRS", "RING_STEP", "ZIGZAG_CHUNKS", "causal_pairs_solution", "check_causal_pairs",
+           "check_contiguous_imbalance", "check_ring_step", "check_zigzag_chunks", "ring_step_solution", "run_ring",
+           "zigzag_chunks_solution"]
 
 
 def ring_step_solution(out, lse, q, k, v, scale):
@@ -156,3 +160,131 @@ def check_contiguous_imbalance(imbalance: Callable[[int], Any]) -> None:
                 "each later step has some device with a whole pair; the total work is n^2 / 2 pairs, so the ideal "
                 "time is n / 2")
     print("passed: contiguous_imbalance(n) matches the counted schedule for n = 1, 2, 3, 4, 8, 16")
+
+
+# -- zig-zag: which chunks a device holds -----------------------------------------------------------------
+
+
+def zigzag_chunks_solution(device, n):
+    """The two chunks of the ``2n`` that device ``device`` of ``n`` holds under zig-zag: (early, late)."""
+    return device, 2 * n - 1 - device  # an early chunk and its mirror from the end
+
+
+def _zig_fail(case: str, why: str) -> CheckFailed:
+    return CheckFailed(f"failed: zigzag_chunks, case '{case}' — {why}")
+
+
+def check_zigzag_chunks(zigzag_chunks: Callable) -> None:
+    """``zigzag_chunks(device, n) -> (early, late)`` for n = 1..8: every chunk of 2n held once, every device the
+    same causal work, the library's assignment (:func:`flashlib.ring.chunks_of_device`) and its ring order."""
+    for n in (1, 2, 3, 4, 5, 8):
+        held = [tuple(int(c) for c in zigzag_chunks(i, n)) for i in range(n)]
+        case = f"n = {n} devices, {2 * n} chunks"
+        if any(len(pair) != 2 for pair in held):
+            raise _zig_fail(case, f"got {held}: each device holds exactly two chunks, (early, late)")
+        flat = sorted(c for pair in held for c in pair)
+        if flat != list(range(2 * n)):
+            twice, outside = sorted({c for c in flat if flat.count(c) > 1}), sorted(set(flat) - set(range(2 * n)))
+            what = f"chunk(s) {outside} lie outside 0..{2 * n - 1}" if outside else f"chunk(s) {twice} are held twice"
+            raise _zig_fail(case, f"got {held}: {what}, so chunk(s) {sorted(set(range(2 * n)) - set(flat))} are "
+                            "held by none; device i's late chunk is its mirror from the end, 2n - 1 - i (the chunks "
+                            "are numbered from 0)")
+        work = [a + b + 2 for a, b in held]  # key chunks its queries see (a diagonal counts as one)
+        if len(set(work)) > 1:
+            raise _zig_fail(case, f"got {held}: devices see {work} key chunks, not the same number — pair an early "
+                            "chunk with a late one so that the sums i + (2n - 1 - i) are equal")
+        for i, pair in enumerate(held):
+            if pair != tuple(chunks_of_device(i, n, "zigzag")):
+                raise _zig_fail(f"{case}, device {i}", f"got {pair}, the library holds "
+                                f"{tuple(chunks_of_device(i, n, 'zigzag'))}: device i holds chunk i first (the "
+                                "early one), then 2n - 1 - i")
+        seq = np.arange(2 * n, dtype=np.float32).reshape(1, 1, 2 * n, 1)  # chunk c's one token is c
+        ring = np.asarray(to_ring_order(jnp.asarray(seq), n=n, load_balance="zigzag")).ravel().astype(int)
+        if list(ring) != [c for pair in held for c in pair]:
+            raise _zig_fail(case, f"to_ring_order lays the chunks out as {list(ring)}, not as yours")
+    print("passed: zigzag_chunks holds every chunk once, balances the causal work and matches to_ring_order for "
+          "n = 1 to 8")
+
+
+ZIGZAG_CHUNKS = Puzzle("puzzle: the zig-zag assignment", check_zigzag_chunks, zigzag_chunks_solution, (
+    "Cut the sequence into `2n` chunks, numbered `0 .. 2n-1`. Under the causal mask chunk `c`'s queries see "
+    "`c + 1` key chunks: early chunks are cheap, late ones dear. Give each device one of each.",
+    "Device `i` takes chunk `i` from the front and its mirror from the back, `2n - 1 - i`: the sums "
+    "`i + (2n - 1 - i) = 2n - 1` are the same for every device. Return the early one first.",
+))
+
+
+# -- the causal ring step: which chunk pairs are full, diagonal or skipped --------------------------------
+
+
+def causal_pairs_solution(device, step, n, zigzag):
+    """``{(a, b): kind}`` for every query chunk ``a`` device ``device`` keeps and key chunk ``b`` it holds at ring
+    step ``step`` of ``n``: FULL, DIAGONAL or SKIP; one chunk each (contiguous) or two (zig-zag) of the sequence."""
+    source = (device - step) % n  # the kv chunks move one device on per step: they came from device - step
+
+    def chunks(i):
+        return (i, 2 * n - 1 - i) if zigzag else (i,)
+
+    return {(a, b): FULL if b < a else DIAGONAL if b == a else SKIP for a in chunks(device) for b in chunks(source)}
+
+
+_NAMES = {FULL: "FULL", DIAGONAL: "DIAGONAL", SKIP: "SKIP"}
+_HOLDS = "at step 0 a device holds its own kv chunks, at step s those of device (i - s) mod n"
+
+
+def _want_pairs(device, step, n, zigzag, shift=0, sign=-1):
+    plan = RingPlan.make(64 * n, n, True, "zigzag" if zigzag else None)
+    source = (device + sign * step + shift) % n
+    return {(a, b): int(plan.kind(a, b)) for a in chunks_of_device(device, n, plan.load_balance)
+            for b in chunks_of_device(source, n, plan.load_balance)}
+
+
+def _pairs_mistake(got, want, device, step, n, zigzag) -> str:
+    for sign, shift, why in ((1, 0, "the ring runs the wrong way: kv chunks go from device i to i + 1, so at step s "
+                              "device i holds the chunks of device (i - s) mod n, not (i + s)"),
+                             (-1, 1, f"off by one: {_HOLDS}"), (-1, -1, f"off by one: {_HOLDS}")):
+        if set(got) == set(_want_pairs(device, step, n, zigzag, shift, sign)) != set(want):
+            return why
+    if set(got) != set(want):
+        return (f"the wrong chunk pairs: {_HOLDS}; a device keeps (and passes on) chunk i, or under zig-zag chunks i "
+                "and 2n - 1 - i of the 2n")
+    wrong = [(got[p], w) for p, w in want.items() if got[p] != w]
+    if any(w == DIAGONAL and g == FULL for g, w in wrong):
+        return "a diagonal pair (query chunk a, key chunk a) is treated as full: it needs the causal mask inside"
+    if any(w == DIAGONAL for g, w in wrong):
+        return "query chunk a against key chunk a is the DIAGONAL: half of it is visible, under the causal mask"
+    if any(w == SKIP for g, w in wrong):
+        return "a later key chunk (b > a) is visible to no query of chunk a: that pair is SKIP"
+    return "an earlier key chunk (b < a) is visible to every query of chunk a: that pair is FULL"
+
+
+def check_causal_pairs(causal_pairs: Callable) -> None:
+    """``causal_pairs(device, step, n, zigzag)`` against the library's plan (:meth:`flashlib.ring.RingPlan.kind`
+    over :func:`~flashlib.ring.chunks_of_device`, as :func:`~flashlib.ring.ring_schedule` counts it) for every
+    device and step of rings of 1 to 8 devices, both layouts."""
+    for zigzag in (False, True):
+        for n in (1, 2, 3, 4, 5, 8):
+            for step in range(n):
+                for device in range(n):
+                    want = _want_pairs(device, step, n, zigzag)
+                    got = {(int(a), int(b)): int(kind) for (a, b), kind in dict(causal_pairs(device, step, n,
+                                                                                            zigzag)).items()}
+                    case = (f"{'zig-zag' if zigzag else 'contiguous'}, n = {n}, device {device}, step {step}: query "
+                            f"chunks {chunks_of_device(device, n, 'zigzag' if zigzag else None)}")
+                    if got != want:
+                        shown = {p: _NAMES.get(k, k) for p, k in sorted(got.items())}
+                        wanted = {p: _NAMES[k] for p, k in sorted(want.items())}
+                        raise CheckFailed(f"failed: causal_pairs, case '{case}' — got {shown}, want {wanted}: "
+                                          + _pairs_mistake(got, want, device, step, n, zigzag))
+    print("passed: causal_pairs matches the library's plan for every device and step of 1 to 8 devices, contiguous "
+          "and zig-zag")
+
+
+CAUSAL_PAIRS = Puzzle("puzzle: the causal ring step", check_causal_pairs, causal_pairs_solution, (
+    "First, which kv chunks does the device hold? They move one device on per step (i to i + 1), so at step `s` "
+    "device `i` holds those that started on device `(i - s) % n`. A device keeps chunk `i` (contiguous), or "
+    "chunks `i` and `2n - 1 - i` (zig-zag), for its queries and for its keys alike.",
+    "Then each (query chunk `a`, key chunk `b`) pair, every `a` of the device's against every `b` it holds: "
+    "`b < a` every key is earlier than every query, `FULL`; `b == a` the causal diagonal, `DIAGONAL`; `b > a` no "
+    "query sees any key, `SKIP`. A dict comprehension over both builds the answer.",
+))

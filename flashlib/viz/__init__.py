@@ -9,9 +9,10 @@ registry and a notebook shows a returned figure exactly once. The data helpers (
 One module per kind of picture — :mod:`~flashlib.viz.tiles` (attention maps, tiling and schedules),
 :mod:`~flashlib.viz.masks` (the variants: visibility, block plans, soft-cap, head groups),
 :mod:`~flashlib.viz.online_softmax`, :mod:`~flashlib.viz.memory`, :mod:`~flashlib.viz.mesh` (a device mesh,
-the ring's steps and work), :mod:`~flashlib.viz.decode` (a block table, split-KV's merge),
-:mod:`~flashlib.viz.tpu` (the chip, a matmul step), :mod:`~flashlib.viz.figures` (palette, figures, filmstrips,
-animations) — and every public name here, so a notebook needs only ``from flashlib import viz``.
+the ring's steps and work), :mod:`~flashlib.viz.ring` (the causal ring's chunk pairs),
+:mod:`~flashlib.viz.decode` (a block table, split-KV's merge), :mod:`~flashlib.viz.tpu` (the chip, a matmul
+step), :mod:`~flashlib.viz.figures` (palette, figures, filmstrips, animations) — and every public name here,
+so a notebook needs only ``from flashlib import viz``.
 
 One palette for the whole series (:data:`PALETTE`): Q blue, K orange, V green, O purple, scores gold,
 masked red hatching, skipped grey.
@@ -33,6 +34,7 @@ from flashlib.viz.masks import (
 from flashlib.viz.memory import plot_hbm_traffic, plot_memory_scaling, plot_vmem_budget
 from flashlib.viz.mesh import plot_mesh, plot_ring_step, plot_ring_work
 from flashlib.viz.online_softmax import OnlineStep, online_softmax_trace, plot_online_softmax_step
+from flashlib.viz.ring import PAIR_COLORS, plot_chunk_pairs
 from flashlib.viz.tiles import (
     TileStep,
     plot_attention_map,
@@ -44,10 +46,11 @@ from flashlib.viz.tiles import (
 from flashlib.viz.tpu import plot_matmul_step, plot_tpu_anatomy
 
 __all__ = [
-    "KINDS", "PALETTE", "SERIES_COLORS", "BlockPlan", "OnlineStep", "TileStep", "animate", "block_plan",
-    "filmstrip", "format_bytes", "new_figure", "online_softmax_trace", "plot_attention_map", "plot_block_plan",
-    "plot_block_table", "plot_fetch_schedule", "plot_hbm_traffic", "plot_head_groups", "plot_kv_schedule",
-    "plot_matmul_step", "plot_memory_scaling", "plot_mesh", "plot_online_softmax_step", "plot_q_schedule",
-    "plot_ring_step", "plot_ring_work", "plot_softcap", "plot_split_kv", "plot_tiling_step", "plot_tpu_anatomy",
-    "plot_visibility", "plot_vmem_budget", "split_weights", "tiling_steps", "to_jshtml", "visibility",
+    "KINDS", "PAIR_COLORS", "PALETTE", "SERIES_COLORS", "BlockPlan", "OnlineStep", "TileStep", "animate",
+    "block_plan", "filmstrip", "format_bytes", "new_figure", "online_softmax_trace", "plot_attention_map",
+    "plot_block_plan", "plot_block_table", "plot_chunk_pairs", "plot_fetch_schedule", "plot_hbm_traffic",
+    "plot_head_groups", "plot_kv_schedule", "plot_matmul_step", "plot_memory_scaling", "plot_mesh",
+    "plot_online_softmax_step", "plot_q_schedule", "plot_ring_step", "plot_ring_work", "plot_softcap",
+    "plot_split_kv", "plot_tiling_step", "plot_tpu_anatomy", "plot_visibility", "plot_vmem_budget", "split_weights",
+    "tiling_steps", "to_jshtml", "visibility",
 ]
