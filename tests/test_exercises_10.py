@@ -16,15 +16,18 @@ def _stub(*args, **kwargs):
     raise NotImplementedError
 
 
+PUZZLES = (nb10.COMBINE_SPLITS, nb10.PAGE_TO_COPY, nb10.MERGE_SPLITS, nb10.DECODE_INTENSITY, nb10.WRITE_TOKEN)
+
+
 def test_the_stubs_are_reported_as_not_attempted(capsys):
-    assert nb10.COMBINE_SPLITS.use(_stub) is nb10.combine_splits_solution
-    assert nb10.PAGE_TO_COPY.use(_stub) is nb10.page_to_copy_solution
-    assert capsys.readouterr().out.count("not attempted yet") == 2
+    for puzzle in PUZZLES:
+        assert puzzle.use(_stub) is puzzle.solution
+    assert capsys.readouterr().out.count("not attempted yet") == len(PUZZLES)
 
 
 def test_the_solutions_pass():
-    nb10.check_combine_splits(nb10.combine_splits_solution)
-    nb10.check_page_to_copy(nb10.page_to_copy_solution)
+    for puzzle in PUZZLES:
+        puzzle.check(puzzle.solution)
 
 
 def _averaged(states):  # each split normalised on its own, then the mean: ignores the splits' weights
@@ -93,12 +96,14 @@ def test_the_hints_end_in_the_solutions():
 # -- the exercises' checkers: solutions pass, plausible wrong answers are named --------------------------------
 
 
-def merge_splits_solution(m, l, acc):  # noqa: E741
+merge_splits_solution = nb10.merge_splits_solution
+
+
+def _merge_added_max(m, l, acc):  # exp(m_i + m): the common factor cancels, until the scores are large (mutant)
     top = jnp.max(m, axis=0)
-    safe = jnp.where(jnp.isfinite(top), top, 0.0)
-    w = jnp.exp(m - safe)  # [splits, ...]: 0 for a split that saw no key
-    l, acc = jnp.sum(w * l, axis=0), jnp.sum(w[..., None] * acc, axis=0)  # noqa: E741
-    return jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+    w = jnp.exp(m + jnp.where(jnp.isfinite(top), top, 0.0))
+    total, merged = jnp.sum(w * l, axis=0), jnp.sum(w[..., None] * acc, axis=0)
+    return jnp.where(total[..., None] > 0, merged / jnp.where(total > 0, total, 1.0)[..., None], 0.0)
 
 
 def _merge_unsafe(m, l, acc):  # exponentiates against -inf on a row no split saw
@@ -137,14 +142,14 @@ def test_merge_splits_solution_passes_and_the_stub_is_not_attempted(capsys):
     (_merge_averaged, "the splits' outputs are averaged"),
     (_merge_unscaled, r"summed without rescaling: .* exp\(m_i - m\)"),
     (_merge_wrong_axis, "shape .* reduce over the leading"),
+    (_merge_added_max, "every score 80 higher .* overflow"),
 ])
 def test_wrong_merges_are_named(answer, message):
     with pytest.raises(CheckFailed, match=message):
         nb10.check_merge_splits(answer)
 
 
-def decode_intensity_solution(heads, kv_heads, head_dim, q_len, itemsize):
-    return (4 * heads * q_len * head_dim) / (2 * kv_heads * head_dim * itemsize)
+decode_intensity_solution = nb10.decode_intensity_solution
 
 
 def test_decode_intensity_solution_passes(capsys):
@@ -166,9 +171,7 @@ def test_wrong_intensities_are_named(answer, message):
         nb10.check_decode_intensity(answer)
 
 
-def write_token_solution(k_pages, block_table, seq, position, k_new):
-    page_size = k_pages.shape[2]
-    return k_pages.at[block_table[seq, position // page_size], :, position % page_size].set(k_new)
+write_token_solution = nb10.write_token_solution
 
 
 def test_write_token_solution_passes(capsys):

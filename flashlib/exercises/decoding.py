@@ -19,9 +19,10 @@ from flashlib.checks import CheckFailed
 from flashlib.exercises.puzzle import Puzzle
 from flashlib.reference import SoftmaxState
 
-__all__ = ["COMBINE_SPLITS", "PAGE_TO_COPY", "check_combine_splits", "check_decode_intensity",
-           "check_merge_splits", "check_page_to_copy", "check_write_token", "combine_splits_solution",
-           "page_to_copy_solution"]
+__all__ = ["COMBINE_SPLITS", "DECODE_INTENSITY", "MERGE_SPLITS", "PAGE_TO_COPY", "WRITE_TOKEN",
+           "check_combine_splits", "check_decode_intensity", "check_merge_splits", "check_page_to_copy",
+           "check_write_token", "combine_splits_solution", "decode_intensity_solution", "merge_splits_solution",
+           "page_to_copy_solution", "write_token_solution"]
 
 
 # -- puzzle 1: the output from the splits' states ---------------------------------------------------------------
@@ -197,8 +198,44 @@ def check_merge_splits(merge_splits: Callable[[Any, Any, Any], Any]) -> None:
                          "own m_i; multiply both by exp(m_i - m), m the largest m_i, before adding")
         raise failed(f"max error {np.max(np.abs(got - want)):.3g} against the float64 oracle: m = max over splits, "
                      "l = sum of l_i exp(m_i - m), acc = sum of acc_i exp(m_i - m), output = acc / l")
-    print(f"passed: merge_splits merges the splits by hand into the oracle's output in all {len(_split_cases())} "
-          "cases, empty splits and blind rows included")
+    # The same states with every score 80 higher (m + 80; l and acc, measured against m, do not change, nor does
+    # the output): e^80 is past float32's range only for a merge that does not subtract the largest maximum.
+    case, q, cache, splits = _split_cases()[0]
+    _, states = decode.decode_split_kv(q, cache, num_splits=splits, return_states=True)
+    m, l, acc = _stacked(states)
+    want = np.asarray(decode.decode_oracle(q, cache), np.float64).reshape(acc.shape[1:])
+    got = np.asarray(merge_splits(jnp.asarray(m + 80.0, jnp.float32), jnp.asarray(l, jnp.float32),
+                                  jnp.asarray(acc, jnp.float32)), np.float64)
+    if got.shape != want.shape or not np.allclose(got, want, atol=1e-5):
+        raise CheckFailed(f"failed: merge_splits, case '{case}' with every score 80 higher (m + 80, the same output) "
+                          "— the exponentials overflow or lose the output: rescale by exp(m_i - m), m the largest "
+                          "m_i, so every factor is at most 1")
+    print(f"passed: merge_splits merges the splits by hand into the oracle's output in all {len(_split_cases()) + 1} "
+          "cases, empty splits, blind rows and large scores included")
+
+
+def merge_splits_solution(m, l, acc):
+    # m, l [splits, ...], acc [splits, ..., dv] -> the output [..., dv]
+    top = jnp.max(m, axis=0)  # [...]: the largest maximum, -inf where no split saw a key
+    safe = jnp.where(jnp.isfinite(top), top, 0.0)  # [...]: exp(-inf - 0) = 0, never exp(-inf + inf) = NaN
+    weights = jnp.exp(m - safe)  # [splits, ...]: each split's rescale factor
+    total = jnp.sum(weights * l, axis=0)  # [...]
+    merged = jnp.sum(weights[..., None] * acc, axis=0)  # [..., dv]
+    return jnp.where(total[..., None] > 0, merged / jnp.where(total > 0, total, 1.0)[..., None], 0.0)
+
+
+MERGE_SPLITS = Puzzle(
+    "exercise 1: the merge by hand",
+    check_merge_splits,
+    merge_splits_solution,
+    (
+        "Each split's `acc` and `l` are measured against its own maximum `m_i`. Against a common maximum `m` (the "
+        "largest `m_i`) they become `acc_i e^(m_i - m)` and `l_i e^(m_i - m)`, and then they simply add.",
+        "`m = m.max(axis=0)`; a row no split saw has `m = -inf`, so exponentiate against a safe maximum "
+        "(`jnp.where(jnp.isfinite(m), m, 0.0)`); sum the rescaled `l` and `acc` over axis 0, and divide once, "
+        "only where the summed `l` is positive (the output is 0 elsewhere).",
+    ),
+)
 
 
 INTENSITY_CASES = (  # (heads, kv_heads, head_dim, q_len, itemsize)
@@ -252,6 +289,25 @@ def check_decode_intensity(decode_intensity: Callable[[int, int, int, int, int],
           f"ridge ({ridge:.0f} FLOP/B)")
 
 
+def decode_intensity_solution(heads, kv_heads, head_dim, q_len, itemsize):
+    flops = 4 * heads * q_len * head_dim  # per cached key: q·k and p·v for every query row, 2 FLOPs a multiply-add
+    nbytes = 2 * kv_heads * head_dim * itemsize  # that key's K and V rows, once per kv head
+    return flops / nbytes
+
+
+DECODE_INTENSITY = Puzzle(
+    "exercise 2: decode's intensity",
+    check_decode_intensity,
+    decode_intensity_solution,
+    (
+        "Count per cached key: every query row (`heads * q_len` of them) does a dot product with its K row and "
+        "adds its V row weighted by p: `head_dim` multiply-adds each. The bytes are that key's K and V rows.",
+        "FLOPs `4 * heads * q_len * head_dim` (a multiply-add is 2 FLOPs, two of them per element); bytes "
+        "`2 * kv_heads * head_dim * itemsize` (K and V, one row per kv head: a GQA group shares it).",
+    ),
+)
+
+
 def _write_token(k_pages: Any, block_table: Any, seq: int, position: int, k_new: Any) -> np.ndarray:
     pool = np.array(k_pages, np.float32)
     page_size = pool.shape[2]
@@ -298,3 +354,22 @@ def check_write_token(write_token: Callable[[Any, Any, int, int, Any], Any]) -> 
                           f"{int(table[seq][logical])}, slot {position % page_size}, every kv head")
     print(f"passed: write_token puts each new token in slot position % page_size of page "
           f"block_table[seq, position // page_size] ({len(cases)} tokens, two sequences)")
+
+
+def write_token_solution(k_pages, block_table, seq, position, k_new):
+    page_size = k_pages.shape[2]
+    page = block_table[seq, position // page_size]  # the pool page holding the sequence's logical page
+    return k_pages.at[page, :, position % page_size].set(k_new)  # its slot, every kv head
+
+
+WRITE_TOKEN = Puzzle(
+    "exercise 3: where a new token goes",
+    check_write_token,
+    write_token_solution,
+    (
+        "Token `position` is in the sequence's logical page `position // page_size`, at slot `position % "
+        "page_size`; the block table says which pool page holds that logical page.",
+        "`page = block_table[seq, position // page_size]`, then `k_pages.at[page, :, position % page_size]"
+        ".set(k_new)`: one slot of one page, for every kv head at once.",
+    ),
+)
