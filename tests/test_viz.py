@@ -161,6 +161,11 @@ def test_plot_memory_scaling_and_hbm_traffic():
     series = {"naive": [4.0 * n * n for n in lengths], "tiled": [512.0 * n for n in lengths]}
     fig = viz.plot_memory_scaling(lengths, series)
     assert isinstance(fig, Figure) and len(fig.axes[0].lines) == 4  # two series, two guides
+    guide_starts = [line.get_ydata()[0] for line in fig.axes[0].lines[2:]]
+    assert guide_starts == [512.0 * 256] * 2  # the lowest first point
+    at_naive = viz.plot_memory_scaling(lengths, series, guides_at="naive")
+    assert [line.get_ydata()[0] for line in at_naive.axes[0].lines[2:]] == [0.5 * 4.0 * 256 * 256] * 2
+    assert fig.axes[0].get_xlim()[1] > lengths[-1]  # room right of the last length for the guides' labels
     traffic = {"naive": {n: 12.0 * n * n for n in lengths}, "tiled": {n: 2048.0 * n for n in lengths}}
     fig = viz.plot_hbm_traffic(traffic)
     assert isinstance(fig, Figure)

@@ -17,27 +17,33 @@ from flashlib.viz.figures import PALETTE, SERIES_COLORS, byte_axis, figure_and_a
 
 def plot_memory_scaling(
     lengths: Sequence[int], series: Mapping[str, Sequence[float]], ax: Axes | None = None,
-    ylabel: str = "peak memory", title: str | None = None,
+    ylabel: str = "peak memory", title: str | None = None, guides_at: str | None = None,
 ) -> Figure:
     """Log-log memory (bytes) against sequence length, one line per method, with ``∝ N`` and ``∝ N²`` guides.
 
     On log-log axes a power law is a straight line whose slope is its exponent, so a method whose line
     runs parallel to the ``N²`` guide materialises the score matrix and one parallel to ``N`` does not.
     ``lengths`` ascending; use NaN for a missing point (say, an out-of-memory run) and the line just stops.
+    The guides start at the lowest first point, or, with ``guides_at`` (a key of ``series``), at half that
+    series' first point, so they run just below the line the text compares them with.
     """
     x = np.asarray(lengths, dtype=np.float64)
     fig, ax = figure_and_axes(ax, (6.5, 4.5))
     for (name, ys), color in zip(series.items(), cycle(SERIES_COLORS)):
         ax.loglog(x, np.asarray(ys, dtype=np.float64), "o-", color=color, label=name, lw=2)
-    firsts = [float(ys[0]) for ys in series.values() if len(ys) and np.isfinite(ys[0])]
-    anchor = min(firsts) if firsts else 1.0
+    if guides_at is not None:
+        anchor = 0.5 * float(series[guides_at][0])
+    else:
+        firsts = [float(ys[0]) for ys in series.values() if len(ys) and np.isfinite(ys[0])]
+        anchor = min(firsts) if firsts else 1.0
     for power, label in ((1, "∝ N"), (2, "∝ N²")):
         guide = anchor * (x / x[0]) ** power
         ax.loglog(x, guide, ls="--", color=PALETTE["skipped"], lw=1, zorder=0)
-        ax.annotate(label, (x[-1], guide[-1]), textcoords="offset points", xytext=(-2, 4), ha="right", fontsize=9,
-                    color="grey")
+        ax.annotate(label, (x[-1], guide[-1]), textcoords="offset points", xytext=(7, 0), ha="left", va="center",
+                    fontsize=9, color="grey")  # right of the last length: clear of every marker
     byte_axis(ax.yaxis)
     ax.set_xticks(x, labels=[str(int(n)) for n in x])
+    ax.set_xlim(x[0] / (x[-1] / x[0]) ** 0.05, x[-1] * (x[-1] / x[0]) ** 0.12)  # room on the right for the labels
     ax.xaxis.set_minor_locator(NullLocator())
     ax.grid(True, which="major", alpha=0.3)
     return finish_axes(ax, "sequence length N", ylabel, title)

@@ -75,8 +75,9 @@ def plot_online_softmax_step(
 
     The box (``legend=True``) compares ``m`` and ``l`` with their final values, gives the rescale factor
     ``alpha = exp(m_old - m)`` applied to the old ``l`` and ``acc``, and the share of the final softmax mass seen
-    so far, ``l exp(m - m_final) / l_final``; with ``values`` also ``acc / l`` (its first entry), the output over
-    the keys seen so far. With ``legend=False`` (small panels) the key numbers go in the title.
+    so far, ``l exp(m - m_final) / l_final``; with ``values`` also ``acc[0] / l``, the first entry of the output
+    over the keys seen so far (the box has room for one number, not the vector). With ``legend=False`` (small
+    panels) the key numbers go in the title.
     """
     s = np.asarray(scores_row, dtype=np.float64)
     if s.ndim != 1:
@@ -103,7 +104,9 @@ def plot_online_softmax_step(
             ax.bar(idx[before], np.exp(s[before] - m_old), width=0.85, fill=False, edgecolor=PALETTE["masked"],
                    lw=1.0, ls="--", label=f"before this block (× α = {alpha:.2f} since)")
         ax.axhline(1.0, color=PALETTE["ink"], ls="--", lw=0.8)
-        ax.set_ylim(0.0, 1.0 + (0.9 if legend else 0.1))
+        ax.set_ylim(0.0, 1.0 + (0.9 if legend else 0.1))  # headroom for the box, but the axis stops at 1:
+        ax.set_yticks([0.0, 0.25, 0.5, 0.75, 1.0])  # a weight exp(s - m) is never above 1
+        ax.spines["left"].set_bounds(0.0, 1.0)
     else:
         ax.bar(idx, s, width=0.85, color=colors)
         ax.axhline(0.0, color=PALETTE["ink"], lw=0.6)
@@ -124,7 +127,7 @@ def plot_online_softmax_step(
                  f"softmax mass seen: {100 * l * np.exp(m - m_fin) / l_fin:.0f}%"]
         if values is not None:
             out, out_fin = (float(np.ravel(t["acc"])[0] / t["l"]) for t in (cur, final))
-            lines.append(f"acc / l = {out:.4g}   (final {out_fin:.4g})")
+            lines.append(f"acc[0] / l = {out:.4g}   (final {out_fin:.4g})")  # entry 0 of the output vector
         ax.text(0.01, 0.98, "\n".join(lines), transform=ax.transAxes, va="top", fontsize=8, family="monospace",
                 bbox={"boxstyle": "round", "facecolor": "white", "edgecolor": PALETTE["skipped"]})
         ax.legend(loc="upper right", fontsize=8, frameon=False)

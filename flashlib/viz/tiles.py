@@ -33,7 +33,7 @@ def plot_attention_map(
     side = float(np.clip(0.28 * max(probs.shape), 4.0, 10.0))
     fig, ax = figure_and_axes(ax, (side + 1.2, side))
     im = ax.imshow(probs, cmap="Blues", vmin=0.0, vmax=max(float(probs.max()), 1e-12), aspect="equal")
-    size = float(np.clip(260 / max(probs.shape), 4, 10))
+    size = float(np.clip(0.55 * 72 * side / max(probs.shape), 4, 10))  # about half a row's height, in points
     ax.set_xticks(range(len(tokens_k)), labels=list(tokens_k), rotation=90, fontsize=size)
     ax.set_yticks(range(len(tokens_q)), labels=list(tokens_q), fontsize=size)
     ax.xaxis.tick_top()
