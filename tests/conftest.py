@@ -128,9 +128,9 @@ def make_qkv(
     """Random normal q, k, v in the flashlib layout."""
     kv_len = q_len if kv_len is None else kv_len
     kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
-    q = jax.random.normal(kq, (batch, heads, q_len, head_dim), jnp.float32).astype(dtype)
-    k = jax.random.normal(kk, (batch, heads, kv_len, head_dim), jnp.float32).astype(dtype)
-    v = jax.random.normal(kv, (batch, heads, kv_len, head_dim), jnp.float32).astype(dtype)
+    q = rules.normal_as(kq, (batch, heads, q_len, head_dim), dtype)  # jax.random.normal's bits (rules.py)
+    k = rules.normal_as(kk, (batch, heads, kv_len, head_dim), dtype)
+    v = rules.normal_as(kv, (batch, heads, kv_len, head_dim), dtype)
     return q, k, v
 
 

@@ -15,6 +15,8 @@ input dtype; its gradients round at the same places, by ``jax.vjp``.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -84,18 +86,43 @@ def naive_same_dtype(q, k, v, *, causal: bool = False, scale: float | None = Non
     return rounded(jnp.einsum("bhqk,bhkd->bhqd", probs.astype(jnp.float32), v.astype(jnp.float32)))
 
 
+@functools.cache
+def _normal_draw(size: int):
+    """``key -> jax.random.normal(key, (size,), float32)``, compiled once per size."""
+    return jax.jit(lambda key: jax.random.normal(key, (size,), jnp.float32))
+
+
+def standard_normal(key, shape: tuple[int, ...]) -> np.ndarray:
+    """``jax.random.normal(key, shape, float32)``, bit for bit, as NumPy, without a compile per shape: with
+    ``jax_threefry_partitionable`` (the default since jax 0.5; both environments) element ``i``'s bits depend on
+    ``i`` alone, so the draw is the first elements of a draw whose size is the next power of two (one compiled
+    program per size class; op by op each new shape compiled its own, ~0.3 s a draw, a third of a search example)."""
+    if not jax.config.jax_threefry_partitionable:
+        return np.asarray(jax.random.normal(key, shape, jnp.float32))
+    n = math.prod(shape)
+    return np.asarray(_normal_draw(1 << max(n - 1, 0).bit_length())(key))[:n].reshape(shape)
+
+
+def normal_as(key, shape: tuple[int, ...], dtype, scale: float = 1.0) -> jax.Array:
+    """``(scale * jax.random.normal(key, shape, float32)).astype(dtype)``, the same bits (NumPy's float32 product
+    and round-to-nearest-even cast are jax's), from :func:`standard_normal`."""
+    x = standard_normal(key, shape)
+    return jnp.asarray((x if scale == 1.0 else np.float32(scale) * x).astype(jnp.dtype(dtype)))
+
+
 def random_inputs(key, *, batch: int, heads: int, q_len: int, kv_len: int, head_dim: int, dtype,
                   q_scale: float = 1.0, kv_scale: float = 1.0, layout: str = "bhsd"):
-    """q, k, v, dO drawn N(0, 1) (q times ``q_scale``, k and v times ``kv_scale``), rounded to ``dtype``."""
+    """q, k, v, dO drawn N(0, 1) (q times ``q_scale``, k and v times ``kv_scale``), rounded to ``dtype``: the
+    bits of ``(q_scale * jax.random.normal(kq, shape, float32)).astype(dtype)`` and so on (:func:`normal_as`)."""
     kq, kk, kv, kd = jax.random.split(key, 4)
 
     def shape(seq):
         return (batch, heads, seq, head_dim) if layout == "bhsd" else (batch, seq, heads, head_dim)
 
-    q = (q_scale * jax.random.normal(kq, shape(q_len), jnp.float32)).astype(dtype)
-    k = (kv_scale * jax.random.normal(kk, shape(kv_len), jnp.float32)).astype(dtype)
-    v = (kv_scale * jax.random.normal(kv, shape(kv_len), jnp.float32)).astype(dtype)
-    do = jax.random.normal(kd, shape(q_len), jnp.float32).astype(dtype)
+    q = normal_as(kq, shape(q_len), dtype, q_scale)
+    k = normal_as(kk, shape(kv_len), dtype, kv_scale)
+    v = normal_as(kv, shape(kv_len), dtype, kv_scale)
+    do = normal_as(kd, shape(q_len), dtype)
     return q, k, v, do
 
 
