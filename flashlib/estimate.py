@@ -479,26 +479,10 @@ def flashlib_forward(q, k, v, *, causal: bool, block_q: int, block_k: int, gener
 
     call = resolve_call(q, k, v, causal=causal, scale=None, block_sizes=sizes, interpret=False)
     variants = KernelVariants.of(window=None if window is None else check_window(window))
-    if estimate_as == "auto":
-        estimate_as = "program_ids" if _compacts(q, k, call.sizes, causal, variants, compact) else "as_shipped"
     return tpu_forward.forward(q, k, v, causal=bool(causal), scale=call.scale, sizes=call.sizes,
                                interpret=call.interpret, return_lse=False, variants=variants, compact=compact,
                                estimate_as=None if estimate_as == "as_shipped" else estimate_as,
                                separate_heads=True)
-
-
-def _compacts(q, k, sizes: BlockSizes, causal: bool, variants: KernelVariants, compact: bool | None) -> bool:
-    """Whether :func:`tpu_forward.forward` walks a compacted grid for this call (its schedule is not None)."""
-    from flashlib import geometry
-    from flashlib.tiling import round_up
-
-    q_len, kv_len = q.shape[2], k.shape[2]
-    num_q_blocks = round_up(q_len, sizes.block_q) // sizes.block_q
-    num_kv_steps = round_up(kv_len, sizes.kv_step) // sizes.kv_step
-    schedule = geometry.compacted_schedule(compact, num_q_blocks, num_kv_steps, block_q=sizes.block_q,
-                                           kv_step=sizes.kv_step, q_len=q_len, kv_len=kv_len, causal=bool(causal),
-                                           window=variants.window, segments=variants.segments)
-    return schedule is not None
 
 
 def flashlib_segments_forward(q, k, v, q_segments, kv_segments, *, causal: bool, block_q: int, block_k: int,

@@ -105,7 +105,8 @@ def forward(q, k, v, segment_ids=None, sinks=None, *, causal: bool, scale: float
 
     ``compact``: walk only the live (query block, key step) pairs of a causal grid, from scalar-prefetched
     tables (None: where that drops a step; :func:`flashlib.geometry.compacted_schedule`). ``estimate_as``:
-    estimate-only variants of the compacted kernel (:func:`flashlib.estimate.flashlib_forward` says which).
+    estimate-only variants of the compacted kernel (:func:`flashlib.estimate.flashlib_forward` says which;
+    ``"auto"``: ``"program_ids"`` where the grid compacts, else the kernel as shipped).
 
     GQA: a grid step computes :func:`heads_per_step` query heads of a group against one k/v copy. Their q, out
     and lse travel as one ``[heads, block_q, ...]`` block; ``separate_heads`` passes them as one 2-D block per
@@ -132,9 +133,11 @@ def forward(q, k, v, segment_ids=None, sinks=None, *, causal: bool, scale: float
     schedule = geometry.compacted_schedule(compact, num_q_blocks, num_kv_steps, block_q=block_q, kv_step=kv_step,
                                            q_len=q_len, kv_len=kv_len, causal=causal, window=variants.window,
                                            segments=variants.segments)
+    if estimate_as == "auto":  # what a static estimate can count: the program-id form wherever the grid compacts
+        estimate_as = None if schedule is None else "program_ids"
     if estimate_as not in (None, "plain", "masked", "program_ids") or (estimate_as and schedule is None):
-        raise ValueError(f"estimate_as must be None, 'program_ids', 'plain' or 'masked', and only compacted; got "
-                         f"{estimate_as!r}")
+        raise ValueError(f"estimate_as must be None, 'auto', 'program_ids', 'plain' or 'masked' (these three only "
+                         f"compacted); got {estimate_as!r}")
     starts = () if schedule is None else tuple(np.flatnonzero(schedule[2]).tolist())  # each q block's first step
 
     prefetch = []  # segment ids: the block tables, scalar-prefetched into SMEM; every index map receives them
