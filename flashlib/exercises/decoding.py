@@ -243,26 +243,26 @@ INTENSITY_CASES = (  # (heads, kv_heads, head_dim, q_len, itemsize)
 )
 
 
-def _intensity(heads: int, kv_heads: int, head_dim: int, q_len: int, itemsize: int) -> float:
-    flops = 4 * heads * q_len * head_dim  # q·k and p·v, a multiply and an add each, per cached key
+def decode_intensity_solution(heads, kv_heads, head_dim, q_len, itemsize):
+    flops = 4 * heads * q_len * head_dim  # per cached key: q·k and p·v for every query row, 2 FLOPs a multiply-add
     nbytes = 2 * kv_heads * head_dim * itemsize  # that key's K and V rows, once per kv head
     return flops / nbytes
 
 
 _INTENSITY_MISTAKES = (  # (a wrong formula, the mistake it makes)
-    (lambda h, kv, d, q, b: _intensity(h, kv, d, q, b) / 2,
+    (lambda h, kv, d, q, b: decode_intensity_solution(h, kv, d, q, b) / 2,
      "half the FLOPs: per cached key a query head does q·k and p·v, head_dim multiply-adds each, and a "
      "multiply-add is 2 FLOPs: 4 * head_dim per key per query row"),
-    (lambda h, kv, d, q, b: _intensity(h, kv, d, q, b) * 2,
+    (lambda h, kv, d, q, b: decode_intensity_solution(h, kv, d, q, b) * 2,
      "twice the intensity: the step reads K *and* V, 2 * kv_heads * head_dim * itemsize bytes per cached key"),
-    (lambda h, kv, d, q, b: _intensity(h, h, d, q, b),
+    (lambda h, kv, d, q, b: decode_intensity_solution(h, h, d, q, b),
      "the cache is stored per kv head, not per query head: the bytes scale with kv_heads, and the heads of a "
      "GQA group share each byte"),
-    (lambda h, kv, d, q, b: _intensity(h, kv, d, 1, b),
+    (lambda h, kv, d, q, b: decode_intensity_solution(h, kv, d, 1, b),
      "q_len is missing: every new token attends to every cached key, so the FLOPs scale with q_len while the "
      "bytes do not"),
-    (lambda h, kv, d, q, b: _intensity(h, kv, d, q, 1), "itemsize is missing: a bf16 element is 2 bytes, a "
-     "float32 one 4"),
+    (lambda h, kv, d, q, b: decode_intensity_solution(h, kv, d, q, 1),
+     "itemsize is missing: a bf16 element is 2 bytes, a float32 one 4"),
 )
 
 
@@ -271,10 +271,11 @@ def check_decode_intensity(decode_intensity: Callable[[int, int, int, int, int],
     reads (the cache dominates the bytes; q and the output are left out). A wrong answer is judged on every
     case at once, so that the mistake it names is the one that explains them all."""
     got = [float(decode_intensity(*case)) for case in INTENSITY_CASES]
-    wrong = [i for i, case in enumerate(INTENSITY_CASES) if not np.isclose(got[i], _intensity(*case), rtol=1e-6)]
+    want_all = [decode_intensity_solution(*case) for case in INTENSITY_CASES]
+    wrong = [i for i, want in enumerate(want_all) if not np.isclose(got[i], want, rtol=1e-6)]
     if wrong:
         heads, kv_heads, head_dim, q_len, itemsize = INTENSITY_CASES[wrong[0]]
-        want = _intensity(*INTENSITY_CASES[wrong[0]])
+        want = want_all[wrong[0]]
         where = (f"failed: decode_intensity, heads {heads}, kv_heads {kv_heads}, head_dim {head_dim}, q_len "
                  f"{q_len}, itemsize {itemsize} — got {got[wrong[0]]:g}, expected {want:g}")
         for formula, mistake in _INTENSITY_MISTAKES:
@@ -283,16 +284,10 @@ def check_decode_intensity(decode_intensity: Callable[[int, int, int, int, int],
         raise CheckFailed(f"{where}: FLOPs 4 * heads * q_len * kv_len * head_dim over bytes 2 * kv_heads * kv_len * "
                           "head_dim * itemsize (kv_len cancels)")
     ridge = hardware.CHIPS["v5e"].ridge_point
-    per_token = _intensity(*INTENSITY_CASES[0])
+    per_token = want_all[0]
     print(f"passed: decode_intensity in all {len(INTENSITY_CASES)} cases; GQA 8:1 in bf16 is {per_token:g} FLOP/B "
           f"per new token, so only q_len >= {int(np.ceil(ridge / per_token))} new tokens a step would reach v5e's "
           f"ridge ({ridge:.0f} FLOP/B)")
-
-
-def decode_intensity_solution(heads, kv_heads, head_dim, q_len, itemsize):
-    flops = 4 * heads * q_len * head_dim  # per cached key: q·k and p·v for every query row, 2 FLOPs a multiply-add
-    nbytes = 2 * kv_heads * head_dim * itemsize  # that key's K and V rows, once per kv head
-    return flops / nbytes
 
 
 DECODE_INTENSITY = Puzzle(
@@ -308,13 +303,6 @@ DECODE_INTENSITY = Puzzle(
 )
 
 
-def _write_token(k_pages: Any, block_table: Any, seq: int, position: int, k_new: Any) -> np.ndarray:
-    pool = np.array(k_pages, np.float32)
-    page_size = pool.shape[2]
-    pool[int(block_table[seq][position // page_size]), :, position % page_size] = np.asarray(k_new)
-    return pool
-
-
 def check_write_token(write_token: Callable[[Any, Any, int, int, Any], Any]) -> None:
     """``write_token(k_pages, block_table, seq, position, k_new)``: the pool ``[num_pages, kv_heads, page_size,
     head_dim]`` with token ``position`` of sequence ``seq`` (``k_new [kv_heads, head_dim]``) written into its slot."""
@@ -325,9 +313,9 @@ def check_write_token(write_token: Callable[[Any, Any, int, int, Any], Any]) -> 
     cases = [(0, 0), (0, 3), (0, 5), (1, 4), (1, 15), (1, 9)]
     for seq, position in cases:
         k_new = rng.normal(size=(2, 8)).astype(np.float32)
-        want = _write_token(pool, table, seq, position, k_new)
-        got = np.asarray(write_token(jnp.asarray(pool), jnp.asarray(table, jnp.int32), seq, position,
-                                     jnp.asarray(k_new)), np.float32)
+        args = (jnp.asarray(pool), jnp.asarray(table, jnp.int32), seq, position, jnp.asarray(k_new))
+        want = np.asarray(write_token_solution(*args), np.float32)
+        got = np.asarray(write_token(*args), np.float32)
         case = f"sequence {seq}, position {position}, page_size {page_size}, table row {table[seq].tolist()}"
         if got.shape != want.shape:
             raise CheckFailed(f"failed: write_token, {case} — shape {got.shape}, expected {want.shape}: return the "
