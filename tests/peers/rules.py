@@ -106,8 +106,7 @@ def standard_normal(key, shape: tuple[int, ...]) -> np.ndarray:
 def normal_as(key, shape: tuple[int, ...], dtype, scale: float = 1.0) -> jax.Array:
     """``(scale * jax.random.normal(key, shape, float32)).astype(dtype)``, the same bits (NumPy's float32 product
     and round-to-nearest-even cast are jax's), from :func:`standard_normal`."""
-    x = standard_normal(key, shape)
-    return jnp.asarray((x if scale == 1.0 else np.float32(scale) * x).astype(jnp.dtype(dtype)))
+    return jnp.asarray((np.float32(scale) * standard_normal(key, shape)).astype(jnp.dtype(dtype)))
 
 
 def random_inputs(key, *, batch: int, heads: int, q_len: int, kv_len: int, head_dim: int, dtype,
