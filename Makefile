@@ -86,8 +86,10 @@ test-quick: lint
 test-lib: $(VENV)/.installed
 	$(TEST_ENV) $(VENV)/bin/pytest $(PARALLEL) tests
 
+# tests/conftest.py named explicitly: without tests/ on the command line pytest does not load it, and then
+# xdist scatters a notebook's cells over workers (each cell in a fresh kernel: NameError).
 test-notebooks: $(VENV)/.installed
-	$(TEST_ENV) $(VENV)/bin/pytest $(PARALLEL) $(NBVAL) $(NOTEBOOKS)
+	$(TEST_ENV) $(VENV)/bin/pytest $(PARALLEL) $(NBVAL) tests/conftest.py $(NOTEBOOKS)
 
 notebooks: $(VENV)/.installed
 	$(VENV)/bin/python notebooks/make_setup_cells.py
