@@ -17,7 +17,9 @@ marked ``rotate_jnp_impls`` (the peer suites, the hard regimes' fixed cases) the
 fixed case on ``pallas`` (the kernel, whose code moves most between jax versions) and on one of the three
 implementations written in plain ``jax.numpy`` (reference, blockwise, xla), chosen per case by a hash of its
 id (:func:`_rotated_out`), so every jnp impl still meets about a third of the cases there; the main
-environment runs every case on every impl."""
+environment runs every case on every impl. Likewise the TPU compile checks parametrized by ``topology``
+compile every case for Colab's free v5e-1 there and every other case for the other chips
+(:func:`_other_topologies_rotated_out`): Colab's old libtpu compiles 2-4x slower than the newest."""
 
 from __future__ import annotations
 
@@ -233,9 +235,34 @@ def _rotated_out(item) -> bool:
     return JNP_IMPLS[zlib.crc32(case.encode()) % len(JNP_IMPLS)] != impl
 
 
+# The chip Colab lends for free (a v5e-1): every TPU compile check runs for it in both environments.
+COLAB_TOPOLOGY = "v5e:1x1"
+
+
+def _other_topologies_rotated_out(items) -> set[str]:
+    """In the smoke environment, every other compile of a TPU compile check for a topology that is not
+    Colab's free chip (:data:`COLAB_TOPOLOGY`): of each test function's cases on other topologies (v6e:1x1,
+    the 2x2 slices), in collection order, the 1st, 3rd, 5th... run there, the others are deselected. Every
+    case still compiles for the v5e-1 with Colab's libtpu, and every test function for each other chip at
+    least once; the main environment compiles every case for every topology with the newest libtpu."""
+    if SEARCH_MODE != "smoke":
+        return set()
+    seen: dict[tuple[str, str], int] = defaultdict(int)
+    out = set()
+    for item in items:
+        topology = getattr(getattr(item, "callspec", None), "params", {}).get("topology")
+        if not isinstance(topology, str) or topology == COLAB_TOPOLOGY or "tpu" not in item.keywords:
+            continue
+        key = (item.nodeid.split("[")[0], topology)
+        if seen[key] % 2:
+            out.add(item.nodeid)
+        seen[key] += 1
+    return out
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
-    rotated = {item.nodeid for item in items if _rotated_out(item)}
+    rotated = {item.nodeid for item in items if _rotated_out(item)} | _other_topologies_rotated_out(items)
     if rotated:
         config.hook.pytest_deselected(items=[item for item in items if item.nodeid in rotated])
         items[:] = [item for item in items if item.nodeid not in rotated]
