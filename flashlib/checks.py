@@ -22,6 +22,7 @@ __all__ = [
     "CheckFailed",
     "check",
     "check_attention",
+    "check_attention_and_grads",
     "check_attention_grads",
     "check_close",
     "exercise",
@@ -92,6 +93,17 @@ def check_attention(
     implementation alike. Raises :class:`CheckFailed` naming the worst element when the output has the wrong
     shape or dtype, contains NaN/inf, or is off by more than ``2 * naive_error + floor(dtype)``.
     """
+    _check_output_form(out, q, v, name)
+    if variants.get("window") is not None:
+        variants = {**variants, "window": tuple(variants["window"])}
+    naive = _naive_output(q, k, v, causal=bool(causal), scale=scale, **variants)
+    result = _output_rule(out, naive, q, k, v, causal=causal, scale=scale, name=name, variants=variants)
+    if not quiet:
+        print(f"passed: {name} matches the float64 oracle (within 2x the naive {np.dtype(q.dtype).name} error)")
+    return result
+
+
+def _check_output_form(out, q, v, name: str) -> None:
     out_np = np.asarray(out)
     want_shape = tuple(q.shape[:-1]) + (v.shape[-1],)
     if out_np.shape != want_shape:
@@ -101,12 +113,15 @@ def check_attention(
         raise CheckFailed(f"failed: {name} — output dtype {out_np.dtype}, expected q's dtype {np.dtype(q.dtype)}")
     if not np.isfinite(out_np.astype(np.float64)).all():
         raise CheckFailed(f"failed: {name} — output contains NaN or inf")
-    expected = attention_oracle(q, k, v, causal=causal, scale=scale, **variants)
-    if variants.get("window") is not None:
-        variants = {**variants, "window": tuple(variants["window"])}
-    naive = np.asarray(_naive_output(q, k, v, causal=bool(causal), scale=scale, **variants), dtype=np.float64)
-    naive_error = float(np.max(np.abs(naive - expected), initial=0.0))
-    err = np.abs(out_np.astype(np.float64) - expected)
+
+
+def _output_rule(out, naive, q, k, v, *, causal, scale, name: str, variants: dict) -> AttentionCheck:
+    """FlashAttention's rule for an output whose form :func:`_check_output_form` passed, given the naive
+    implementation's output at the same inputs."""
+    expected = attention_oracle(q, k, v, causal=causal, scale=scale,
+                                **{key: value for key, value in variants.items() if value is not None})
+    naive_error = float(np.max(np.abs(np.asarray(naive, dtype=np.float64) - expected), initial=0.0))
+    err = np.abs(np.asarray(out).astype(np.float64) - expected)
     error = float(np.max(err, initial=0.0))
     allowed = 2.0 * naive_error + tolerance(q.dtype)
     if error > allowed:
@@ -115,8 +130,6 @@ def check_attention(
             f"failed: {name} — max error {error:.3g} at [b, h, q, d] = {where} exceeds the allowed {allowed:.3g} "
             f"(2 x naive {np.dtype(q.dtype).name} error {naive_error:.3g} + floor {tolerance(q.dtype):g})"
         )
-    if not quiet:
-        print(f"passed: {name} matches the float64 oracle (within 2x the naive {np.dtype(q.dtype).name} error)")
     return AttentionCheck(error=error, naive_error=naive_error, allowed=allowed)
 
 
@@ -126,15 +139,16 @@ _naive_output = jax.jit(attention_naive, static_argnames=("causal", "scale", "wi
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "scale", "window", "softcap"))
-def _naive_grads(q, k, v, do, segment_ids, sinks, causal: bool, scale: float | None, window, softcap):
-    """``(dq, dk, dv[, dsinks])`` by autodiff through the naive implementation, in the inputs' dtype (one
-    compiled program: much faster to build than the op-by-op dispatch of an eager VJP)."""
+def _naive_vjp(q, k, v, do, segment_ids, sinks, causal: bool, scale: float | None, window, softcap):
+    """``(out, (dq, dk, dv[, dsinks]))``: the naive implementation's output and its autodiff VJP for ``do``,
+    in the inputs' dtype, as one compiled program (much faster to build than the op-by-op dispatch of an eager
+    VJP; the output comes free with the VJP, so a caller checking both compiles one program, not two)."""
     fixed = dict(causal=causal, scale=scale, window=window, softcap=softcap, segment_ids=segment_ids)
     if sinks is None:
-        _, vjp = jax.vjp(lambda q, k, v: attention_naive(q, k, v, **fixed), q, k, v)
+        out, vjp = jax.vjp(lambda q, k, v: attention_naive(q, k, v, **fixed), q, k, v)
     else:
-        _, vjp = jax.vjp(lambda q, k, v, sinks: attention_naive(q, k, v, sinks=sinks, **fixed), q, k, v, sinks)
-    return vjp(do)
+        out, vjp = jax.vjp(lambda q, k, v, sinks: attention_naive(q, k, v, sinks=sinks, **fixed), q, k, v, sinks)
+    return out, vjp(do)
 
 
 def check_attention_grads(
@@ -168,17 +182,73 @@ def check_attention_grads(
     dtype, contains NaN/inf, or is off by more than ``2 * naive_error + floor``. Returns the numbers per
     gradient, ``{"dq": AttentionCheck, "dk": ..., "dv": ...[, "dsinks": ...]}``.
     """
-    labels, primals = ("dq", "dk", "dv"), (q, k, v)
-    if sinks is not None:
-        labels, primals = (*labels, "dsinks"), (*primals, sinks)
+    variants = dict(window=None if window is None else tuple(window), softcap=softcap, segment_ids=segment_ids,
+                    sinks=sinks)
+    _check_grads_count(grads, sinks, name)
+    _, naive = _naive_vjp(q, k, v, do, segment_ids, sinks, causal=bool(causal), scale=scale,
+                          window=variants["window"], softcap=softcap)
+    results = _grads_rule(grads, naive, q, k, v, do, causal=causal, scale=scale, name=name, variants=variants)
+    if not quiet:
+        dtype = np.dtype(q.dtype).name
+        print(f"passed: {name} match the float64 oracle (dq, dk, dv within 2x the naive {dtype} error)")
+    return results
+
+
+def check_attention_and_grads(
+    out,
+    grads,
+    q,
+    k,
+    v,
+    do,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    name: str = "attention",
+    quiet: bool = False,
+    window=None,
+    softcap: float | None = None,
+    segment_ids=None,
+    sinks=None,
+) -> dict[str, AttentionCheck]:
+    """:func:`check_attention` of ``out`` and :func:`check_attention_grads` of ``grads`` together, the same two
+    rules, with the naive implementation's output and gradients from one compiled program (where the two
+    checks called one after the other compile two). Returns ``{"out": ..., "dq": ..., "dk": ..., "dv": ...
+    [, "dsinks": ...]}``."""
+    variants = dict(window=None if window is None else tuple(window), softcap=softcap, segment_ids=segment_ids,
+                    sinks=sinks)
+    _check_output_form(out, q, v, name)
+    _check_grads_count(grads, sinks, name)
+    naive_out, naive_grads = _naive_vjp(q, k, v, do, segment_ids, sinks, causal=bool(causal), scale=scale,
+                                        window=variants["window"], softcap=softcap)
+    results = {"out": _output_rule(out, naive_out, q, k, v, causal=causal, scale=scale, name=name,
+                                   variants=variants)}
+    results.update(_grads_rule(grads, naive_grads, q, k, v, do, causal=causal, scale=scale,
+                               name=f"{name} gradients", variants=variants))
+    if not quiet:
+        dtype = np.dtype(q.dtype).name
+        print(f"passed: {name} and its gradients match the float64 oracle (within 2x the naive {dtype} error)")
+    return results
+
+
+def _grad_labels(sinks) -> tuple[str, ...]:
+    return ("dq", "dk", "dv") if sinks is None else ("dq", "dk", "dv", "dsinks")
+
+
+def _check_grads_count(grads, sinks, name: str) -> None:
+    labels = _grad_labels(sinks)
     if len(grads) != len(labels):
         raise CheckFailed(f"failed: {name} — expected {len(labels)} gradients ({', '.join(labels)}), got {len(grads)}")
-    variants = dict(window=window, softcap=softcap, segment_ids=segment_ids, sinks=sinks)
+
+
+def _grads_rule(grads, naive, q, k, v, do, *, causal, scale, name: str, variants: dict) -> dict[str, AttentionCheck]:
+    """FlashAttention's rule for each gradient, given the naive implementation's gradients at the same inputs."""
+    sinks = variants.get("sinks")
+    labels = _grad_labels(sinks)
+    primals = (q, k, v) if sinks is None else (q, k, v, sinks)
     expected = attention_vjp_oracle(q, k, v, do, causal=causal, scale=scale,
                                     **{key: value for key, value in variants.items() if value is not None})
-    naive = [np.asarray(g, dtype=np.float64)
-             for g in _naive_grads(q, k, v, do, segment_ids, sinks, causal=bool(causal), scale=scale,
-                                   window=None if window is None else tuple(window), softcap=softcap)]
+    naive = [np.asarray(g, dtype=np.float64) for g in naive]
     magnitude = max(1.0, *(float(np.max(np.abs(g), initial=0.0)) for g in expected))
     results = {}
     for label, got, primal, want, naive_grad in zip(labels, grads, primals, expected, naive, strict=True):
@@ -204,9 +274,6 @@ def check_attention_grads(
                 f"{allowed:.3g} (2 x naive {np.dtype(primal.dtype).name} error {naive_error:.3g} + floor {floor:.3g})"
             )
         results[label] = AttentionCheck(error=error, naive_error=naive_error, allowed=allowed)
-    if not quiet:
-        dtype = np.dtype(q.dtype).name
-        print(f"passed: {name} match the float64 oracle (dq, dk, dv within 2x the naive {dtype} error)")
     return results
 
 

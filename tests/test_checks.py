@@ -106,3 +106,41 @@ def test_check_attention_grads_names_the_wrong_gradient():
         checks.check_attention_grads((dq * jnp.nan, dk, dv), q, k, v, do)
     with pytest.raises(checks.CheckFailed, match="exceeds the allowed"):  # the gradients of the unmasked problem
         checks.check_attention_grads((dq, dk, dv), q, k, v, do, causal=True)
+
+
+def test_check_attention_and_grads_applies_both_rules_with_one_naive_program(capsys):
+    """The combined check: the same two rules as check_attention and check_attention_grads (same verdicts, same
+    numbers up to the compiled naive's rounding), the naive output and gradients from one compiled program."""
+    q, k, v = make_qkv(1, 2, 9, 11, 32, dtype=jnp.bfloat16)
+    do = jnp.cos(q)
+    out, vjp = jax.vjp(lambda q, k, v: reference.attention_naive(q, k, v, causal=True), q, k, v)
+    grads = vjp(do)
+    both = checks.check_attention_and_grads(out, grads, q, k, v, do, causal=True, name="naive")
+    assert capsys.readouterr().out == (
+        "passed: naive and its gradients match the float64 oracle (within 2x the naive bfloat16 error)\n")
+    alone = {"out": checks.check_attention(out, q, k, v, causal=True, quiet=True),
+             **checks.check_attention_grads(grads, q, k, v, do, causal=True, quiet=True)}
+    assert set(both) == set(alone) == {"out", "dq", "dk", "dv"}
+    for label in both:
+        assert both[label].error == alone[label].error
+        assert both[label].naive_error == pytest.approx(alone[label].naive_error, rel=0.05, abs=1e-3), label
+    before = checks._naive_vjp._cache_size()
+    checks.check_attention_and_grads(out, grads, q, k, v, do, causal=True, quiet=True)
+    assert checks._naive_vjp._cache_size() == before  # one program, shared with check_attention_grads
+
+
+def test_check_attention_and_grads_names_what_is_wrong():
+    q, k, v = make_qkv(1, 2, 9, 11, 32)
+    do = jnp.cos(q)
+    out = reference.attention_naive(q, k, v)
+    dq, dk, dv = _naive_grads(q, k, v, do)
+    with pytest.raises(checks.CheckFailed, match=r"failed: attention — max error 0.001 at \[b, h, q, d\] = \(0, 1, 3"):
+        checks.check_attention_and_grads(out.at[0, 1, 3, 5].add(1e-3), (dq, dk, dv), q, k, v, do)
+    with pytest.raises(checks.CheckFailed, match=r"attention gradients — dk max error 0.001 at \[b, h, seq, d\]"):
+        checks.check_attention_and_grads(out, (dq, dk.at[0, 1, 3, 5].add(1e-3), dv), q, k, v, do)
+    with pytest.raises(checks.CheckFailed, match="output shape"):
+        checks.check_attention_and_grads(out[:, :1], (dq, dk, dv), q, k, v, do)
+    with pytest.raises(checks.CheckFailed, match=r"expected 3 gradients \(dq, dk, dv\), got 2"):
+        checks.check_attention_and_grads(out, (dq, dk), q, k, v, do)
+    with pytest.raises(checks.CheckFailed, match="exceeds the allowed"):  # the unmasked problem's answers
+        checks.check_attention_and_grads(out, (dq, dk, dv), q, k, v, do, causal=True)

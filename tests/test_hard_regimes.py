@@ -58,8 +58,7 @@ def test_pallas_bf16_with_large_logits_is_as_accurate_as_naive(causal):
                                       dtype=BF16, q_scale=2.0, kv_scale=2.0)
     out, dq, dk, dv = rules.output_and_grads(
         lambda q, k, v: flashlib.attention(q, k, v, causal=causal, impl="pallas"), q, k, v, do)
-    checks.check_attention(out, q, k, v, causal=causal, quiet=True)
-    checks.check_attention_grads((dq, dk, dv), q, k, v, do, causal=causal, quiet=True)
+    checks.check_attention_and_grads(out, (dq, dk, dv), q, k, v, do, causal=causal, quiet=True)
 
 
 @pytest.mark.optimized  # the defect was XLA's optimizer folding transposes into bf16 dots

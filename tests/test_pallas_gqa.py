@@ -45,16 +45,14 @@ def test_gqa_by_flashattentions_rule_in_tpu_interpret_mode(heads, kv_heads, q_le
     out, lse = flash_attention_forward(q, k, v, causal=causal, block_sizes=sizes, interpret=params, return_lse=True)
     grads = flash_attention_backward(q, k, v, out, lse, do, causal=causal, block_sizes=sizes, interpret=params,
                                      fuse_dq=fuse_dq)
-    checks.check_attention(out, q, k, v, causal=causal, quiet=True)
-    checks.check_attention_grads(grads, q, k, v, do, causal=causal, quiet=True)
+    checks.check_attention_and_grads(out, grads, q, k, v, do, causal=causal, quiet=True)
     assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
 
 
 def test_the_entry_point_differentiates_gqa():
     q, k, v, do = _inputs(4, 2, 40, 72, 32, jnp.float32, seed=1)
     out, vjp = jax.vjp(lambda q, k, v: flashlib.attention(q, k, v, causal=True, impl="pallas"), q, k, v)
-    checks.check_attention(out, q, k, v, causal=True, quiet=True)
-    checks.check_attention_grads(vjp(do), q, k, v, do, causal=True, quiet=True)
+    checks.check_attention_and_grads(out, vjp(do), q, k, v, do, causal=True, quiet=True)
 
 
 def _pallas_operand_shapes(fn, *args, outputs: list | None = None) -> list[list[tuple[int, ...]]]:

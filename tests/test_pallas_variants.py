@@ -339,8 +339,7 @@ def test_bfloat16_by_flashattentions_rule_in_tpu_interpret_mode(q_len, kv_len, c
     jv = _jax_variants(variants, BF16)
     sizes = BlockSizes(block_q=64, block_k_major=128, block_k=128)
     out, vjp = _vjp(q, k, v, causal, jv, interpret=pltpu.InterpretParams(detect_races=True), sizes=sizes)
-    checks.check_attention(out, q, k, v, causal=causal, quiet=True, **jv)
-    checks.check_attention_grads(vjp(do), q, k, v, do, causal=causal, quiet=True, **jv)
+    checks.check_attention_and_grads(out, vjp(do), q, k, v, do, causal=causal, quiet=True, **jv)
 
 
 def test_blocks_whose_segments_cannot_meet_are_neither_computed_nor_read():

@@ -379,7 +379,5 @@ def test_bfloat16_by_flashattentions_rule(case, impl, data):
 
     primals = (q, k, v) if sinks is None else (q, k, v, sinks)
     out, *grads = _compiled_out_and_grads(fn, *primals, do)
-    checks = flashlib.checks
-    checks.check_attention(out, q, k, v, causal=variants["causal"], quiet=True, sinks=sinks, **jax_variants)
-    checks.check_attention_grads(grads, q, k, v, do, causal=variants["causal"], sinks=sinks, quiet=True,
-                                 **jax_variants)
+    flashlib.checks.check_attention_and_grads(out, grads, q, k, v, do, causal=variants["causal"], sinks=sinks,
+                                              quiet=True, **jax_variants)
