@@ -6,6 +6,7 @@
 #   make test-quick  the inner loop: lint + library tests with smoke-sized searches, no notebooks or TPU compiles
 #   make notebooks   regenerate the setup cells and Colab badges, re-execute every notebook in place
 #   make colab-bundle  dist/flashlib-colab-<version>.zip: the wheel and data/ to upload to Colab
+#   make release-check build sdist + wheel from HEAD, twine check, install in a fresh venv, run notebooks 00 and 05
 #   make mutants     mutation testing of every puzzle's checker (cosmic-ray); report in data/mutants/
 #
 # Works on any Linux machine with Python >= 3.11 and make; no accelerator needed (Pallas kernels run in
@@ -43,10 +44,10 @@ PARALLEL := -n $(TEST_WORKERS) --dist loadgroup --durations=30
 # property searches; tests marked `optimized` compile at the full level, as a learner's laptop does.
 TEST_ENV := JAX_DISABLE_MOST_OPTIMIZATIONS=1
 
-.PHONY: help lab test test-colab test-quick lint test-lib test-notebooks notebooks colab-bundle mutants clean
+.PHONY: help lab test test-colab test-quick lint test-lib test-notebooks notebooks colab-bundle release-check mutants clean
 
 help:
-	@sed -n '3,9p' Makefile | sed 's/^# //'
+	@sed -n '3,10p' Makefile | sed 's/^# //'
 
 # --no-compile: Python compiles each module to bytecode when it is first imported, not every module of every
 # package at install time (most are never imported here).
@@ -105,8 +106,14 @@ notebooks: $(VENV)/.installed
 mutants: $(VENV)/.installed
 	$(VENV)/bin/python tests/mutants.py
 
-colab-bundle: $(VENV)/.installed
-	$(VENV)/bin/python notebooks/make_colab_bundle.py
+# Plain Python and pip only: neither target imports flashlib or needs the development environment.
+colab-bundle:
+	@test -n "$(PYTHON)" || { echo "No Python >= 3.11 found; install one (python3.12 preferred)."; exit 1; }
+	$(PYTHON) notebooks/make_colab_bundle.py
+
+release-check:
+	@test -n "$(PYTHON)" || { echo "No Python >= 3.11 found; install one (python3.12 preferred)."; exit 1; }
+	$(PYTHON) tests/release_check.py
 
 clean:
 	rm -rf $(VENV) $(COLAB_VENV) .pytest_cache .ruff_cache .hypothesis dist

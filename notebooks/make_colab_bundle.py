@@ -5,7 +5,10 @@ The zip holds this checkout's wheel (``flashlib_tutorial-<version>-py3-none-any.
 folder; every notebook's setup cell looks for it in the working folder, installs the wheel and points
 ``FLASHLIB_DATA`` at the data.
 
-    python notebooks/make_colab_bundle.py          # make colab-bundle runs this
+    python3 notebooks/make_colab_bundle.py          # make colab-bundle runs this
+
+It needs only a Python >= 3.11 with pip: it reads the version from ``pyproject.toml`` and never imports
+flashlib (hence not jax), and pip builds the wheel in an isolated environment of its own.
 """
 
 from __future__ import annotations
@@ -13,19 +16,21 @@ from __future__ import annotations
 import subprocess
 import sys
 import tempfile
+import tomllib
 import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from flashlib import release  # noqa: E402
-
 DATA_SUFFIXES = {".npz", ".csv", ".json", ".md"}  # the data and what documents it, not the scripts that made it
 
 
-def bundle_name(version: str | None = None) -> str:
-    return f"flashlib-colab-{release.version() if version is None else version}.zip"
+def version() -> str:
+    """The release's version, from ``pyproject.toml`` (what ``flashlib.release.version`` reads in a checkout)."""
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+
+
+def bundle_name(release: str | None = None) -> str:
+    return f"flashlib-colab-{version() if release is None else release}.zip"
 
 
 def build(out_dir: Path = ROOT / "dist") -> Path:

@@ -1,7 +1,9 @@
 """The Colab route, run as Colab runs it: the generated setup cell in a fresh environment with Colab's pins,
 a stand-in ``google.colab`` module, an empty working folder outside the repository, and the source given
 first as a git URL of this checkout (tagged with its release), then as the uploaded bundle; notebook 00 and a
-kernel notebook execute against that install, never against the repository tree, and load the data.
+kernel notebook execute against that install, never against the repository tree, and load the data. The bundle
+route runs with ``JAX_PLATFORMS`` unset, as on Colab (jax finds libtpu but no TPU here, and falls back to
+the CPU with a warning); the git route with ``JAX_PLATFORMS=cpu``, as the rest of the suite.
 
 Slow (a fresh environment: about two minutes of installs), so it runs under ``make test-colab`` only
 (``FLASHLIB_COLAB_ROUTE=1``); it uses the checkout's committed HEAD, as CI's clean clone has it. The cheap
@@ -29,11 +31,12 @@ needs_route = pytest.mark.skipif(not COLAB_ROUTE, reason="the simulated Colab in
 PACKAGES = ["jax[tpu]", "jaxlib", "numpy", "matplotlib", "ipywidgets", "ipykernel", "nbclient", "nbformat"]
 KERNEL_NOTEBOOK = "05_pallas_on_tpu.ipynb"
 # Appended to each executed notebook: where flashlib came from, its version, where the data came from.
-PROBE = """import json, os, flashlib
+PROBE = """import json, os, jax, flashlib
 from flashlib.data import load_attention_data
 sample = load_attention_data()
 print(json.dumps({"file": flashlib.__file__, "version": flashlib.__version__, "data": os.environ["FLASHLIB_DATA"],
-                  "sentences": len(sample.sentences)}))"""
+                  "sentences": len(sample.sentences), "jax_platforms": os.environ.get("JAX_PLATFORMS"),
+                  "backend": jax.default_backend()}))"""
 
 
 def _script(name: str):
@@ -212,6 +215,7 @@ def test_installs_from_a_git_home_and_runs_the_notebooks(colab, tmp_path):
     for notebook in ("00_start_here.ipynb", KERNEL_NOTEBOOK):
         probe = _execute(python, notebook, tmp_path, {**env, "FLASHLIB_SOURCE": home})
         _check_install(probe, tmp_path, "flashlib-src/data")
+        assert probe["jax_platforms"] == "cpu"
 
 
 @needs_route
@@ -224,8 +228,10 @@ def test_installs_from_the_uploaded_bundle(colab, tmp_path):
     shutil.copy(bundle, folder / bundle.name)
     (folder / "flashlib-colab").mkdir()  # an earlier upload's extraction (two wheels made the cell fail)
     (folder / "flashlib-colab" / f"{release.DISTRIBUTION.replace('-', '_')}-0.0.9-py3-none-any.whl").touch()
-    probe = _execute(python, "00_start_here.ipynb", folder, env)
+    as_on_colab = {key: value for key, value in env.items() if key != "JAX_PLATFORMS"}  # Colab leaves it unset
+    probe = _execute(python, "00_start_here.ipynb", folder, as_on_colab)
     _check_install(probe, folder, "flashlib-colab/data")
+    assert probe["jax_platforms"] is None, probe  # the notebook ran as on Colab (here on jax's CPU fallback)
     # A runtime restarted without the setup cell: no FLASHLIB_DATA, an empty folder. The defaults are this
     # checkout's (the tuned table ships in the wheel; it once fell back to other blocks here, silently).
     restarted = tmp_path / "restarted"
@@ -235,4 +241,4 @@ def test_installs_from_the_uploaded_bundle(colab, tmp_path):
     from flashlib.kernels import BlockSizes
 
     want = [BlockSizes.default(8192, 8192, 128, "bfloat16", generation=g) for g in ("v5e", "v6e")]
-    assert _run(python, "-c", defaults, env=env, cwd=restarted).stdout.strip() == str(want)
+    assert _run(python, "-c", defaults, env=as_on_colab, cwd=restarted).stdout.strip() == str(want)

@@ -76,3 +76,31 @@ def test_the_distribution_is_ours_and_declares_one_home():
     project = PYPROJECT["project"]
     assert project["name"] == "flashlib-tutorial"  # "flashlib" on the package index is someone else's
     assert set(project["urls"]) == {"Source"}
+
+
+def test_the_release_tools_need_no_development_environment():
+    """`make colab-bundle` and `make release-check` run on a plain python3 (the bundle once needed the whole
+    development environment, 3.5 minutes of installs, to import flashlib for its version): neither script
+    imports flashlib or anything outside the standard library, and both read the version pyproject.toml has."""
+    import ast
+    import importlib.util
+    import sys
+
+    from flashlib import release
+
+    for script in ("notebooks/make_colab_bundle.py", "tests/release_check.py"):
+        tree = ast.parse((ROOT / script).read_text())
+        imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                    for alias in node.names}
+        imported |= {node.module.split(".")[0] for node in ast.walk(tree)
+                     if isinstance(node, ast.ImportFrom) and node.module}
+        assert imported - {"__future__"} <= sys.stdlib_module_names, f"{script} imports {imported}"
+    spec = importlib.util.spec_from_file_location("make_colab_bundle", ROOT / "notebooks/make_colab_bundle.py")
+    bundle = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bundle)
+    assert bundle.version() == release.version()
+    assert bundle.bundle_name() == f"flashlib-colab-{release.version()}.zip"
+    makefile = (ROOT / "Makefile").read_text()
+    for target in ("colab-bundle", "release-check"):
+        recipe = re.search(rf"^{target}:(.*)\n((?:\t.*\n)+)", makefile, flags=re.M)
+        assert recipe and "$(VENV)" not in recipe.group(0), f"make {target} must not need the development venv"
