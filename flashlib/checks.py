@@ -182,11 +182,8 @@ def check_attention_grads(
     dtype, contains NaN/inf, or is off by more than ``2 * naive_error + floor``. Returns the numbers per
     gradient, ``{"dq": AttentionCheck, "dk": ..., "dv": ...[, "dsinks": ...]}``.
     """
-    variants = dict(window=None if window is None else tuple(window), softcap=softcap, segment_ids=segment_ids,
-                    sinks=sinks)
     _check_grads_count(grads, sinks, name)
-    _, naive = _naive_vjp(q, k, v, do, segment_ids, sinks, causal=bool(causal), scale=scale,
-                          window=variants["window"], softcap=softcap)
+    variants, (_, naive) = _naive_for(q, k, v, do, causal, scale, window, softcap, segment_ids, sinks)
     results = _grads_rule(grads, naive, q, k, v, do, causal=causal, scale=scale, name=name, variants=variants)
     if not quiet:
         dtype = np.dtype(q.dtype).name
@@ -215,12 +212,9 @@ def check_attention_and_grads(
     rules, with the naive implementation's output and gradients from one compiled program (where the two
     checks called one after the other compile two). Returns ``{"out": ..., "dq": ..., "dk": ..., "dv": ...
     [, "dsinks": ...]}``."""
-    variants = dict(window=None if window is None else tuple(window), softcap=softcap, segment_ids=segment_ids,
-                    sinks=sinks)
     _check_output_form(out, q, v, name)
     _check_grads_count(grads, sinks, name)
-    naive_out, naive_grads = _naive_vjp(q, k, v, do, segment_ids, sinks, causal=bool(causal), scale=scale,
-                                        window=variants["window"], softcap=softcap)
+    variants, (naive_out, naive_grads) = _naive_for(q, k, v, do, causal, scale, window, softcap, segment_ids, sinks)
     results = {"out": _output_rule(out, naive_out, q, k, v, causal=causal, scale=scale, name=name,
                                    variants=variants)}
     results.update(_grads_rule(grads, naive_grads, q, k, v, do, causal=causal, scale=scale,
@@ -229,6 +223,15 @@ def check_attention_and_grads(
         dtype = np.dtype(q.dtype).name
         print(f"passed: {name} and its gradients match the float64 oracle (within 2x the naive {dtype} error)")
     return results
+
+
+def _naive_for(q, k, v, do, causal, scale, window, softcap, segment_ids, sinks):
+    """``(variants, (naive_out, naive_grads))``: the variants as the oracle and the rules take them (``window`` a
+    tuple) and :func:`_naive_vjp` at them."""
+    variants = dict(window=None if window is None else tuple(window), softcap=softcap, segment_ids=segment_ids,
+                    sinks=sinks)
+    return variants, _naive_vjp(q, k, v, do, segment_ids, sinks, causal=bool(causal), scale=scale,
+                                window=variants["window"], softcap=softcap)
 
 
 def _grad_labels(sinks) -> tuple[str, ...]:

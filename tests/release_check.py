@@ -39,6 +39,16 @@ NOTEBOOKS = ("00_start_here.ipynb", "05_pallas_on_tpu.ipynb")
 BUILD_TOOLS = ("build>=1.2", "twine>=5.1")
 IN_THE_WHEEL = ("flashlib/__init__.py", "flashlib/kernels/forward_blocks.json")  # what the library reads
 NOT_IN_THE_WHEEL = ("tests/", "notebooks/", "data/")
+# `python -c NOTEBOOK_RUNNER NOTEBOOK PROBE FOLDER`: run NOTEBOOK's cells with PROBE appended, FOLDER the kernel's
+# working folder; print what PROBE printed. (tests/test_colab_route.py runs its notebooks with it too.)
+NOTEBOOK_RUNNER = (
+    "import sys, nbformat, nbclient\n"
+    "nb = nbformat.read(sys.argv[1], as_version=4)\n"
+    "nb.cells.append(nbformat.v4.new_code_cell(sys.argv[2]))\n"
+    "nbclient.NotebookClient(nb, timeout=1200, startup_timeout=600, kernel_name='python3',\n"
+    "                        resources={'metadata': {'path': sys.argv[3]}}).execute()\n"
+    "print(nb.cells[-1].outputs[-1]['text'])\n"
+)
 # Appended to each notebook: where flashlib came from and its version.
 PROBE = "import json, flashlib; print(json.dumps({'file': flashlib.__file__, 'version': flashlib.__version__}))"
 
@@ -127,20 +137,12 @@ def run_notebooks(wheel: Path, source: Path, work: Path) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "FLASHLIB_DATA")}
     env.update(JAX_PLATFORMS="cpu", MPLBACKEND="Agg", FLASHLIB_DATA=str(source / "data"),
                PATH=f"{python.parent}{os.pathsep}{env['PATH']}")
-    runner = (
-        "import sys, nbformat, nbclient\n"
-        "nb = nbformat.read(sys.argv[1], as_version=4)\n"
-        "nb.cells.append(nbformat.v4.new_code_cell(sys.argv[2]))\n"
-        "nbclient.NotebookClient(nb, timeout=1200, startup_timeout=600, kernel_name='python3',\n"
-        "                        resources={'metadata': {'path': sys.argv[3]}}).execute()\n"
-        "print(nb.cells[-1].outputs[-1]['text'])\n"
-    )
     probes = []
     for notebook in NOTEBOOKS:
         folder = work / notebook.removesuffix(".ipynb")
         folder.mkdir()
         shutil.copy(source / "notebooks" / notebook, folder / notebook)
-        out = _run(python, "-c", runner, folder / notebook, PROBE, folder, cwd=folder, env=env)
+        out = _run(python, "-c", NOTEBOOK_RUNNER, folder / notebook, PROBE, folder, cwd=folder, env=env)
         probe = json.loads(out.strip().splitlines()[-1])
         if not Path(probe["file"]).is_relative_to(work / "venv") or probe["version"] != _project()["version"]:
             raise ReleaseCheckFailed(f"{notebook} imported flashlib {probe['version']} from {probe['file']}, not "

@@ -21,6 +21,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from release_check import NOTEBOOK_RUNNER
 
 from flashlib import release
 
@@ -179,15 +180,7 @@ def _execute(python: Path, notebook: str, folder: Path, env: dict) -> dict:
     """Run ``notebook`` (copied alone into ``folder``, the kernel's working folder) with the probe appended;
     return what the probe printed."""
     shutil.copy(ROOT / "notebooks" / notebook, folder / notebook)
-    runner = (
-        "import json, sys, nbformat, nbclient\n"
-        "nb = nbformat.read(sys.argv[1], as_version=4)\n"
-        "nb.cells.append(nbformat.v4.new_code_cell(sys.argv[2]))\n"
-        "nbclient.NotebookClient(nb, timeout=1200, startup_timeout=600, kernel_name='python3',\n"
-        "                        resources={'metadata': {'path': sys.argv[3]}}).execute()\n"
-        "print(nb.cells[-1].outputs[-1]['text'])\n"
-    )
-    done = _run(python, "-c", runner, folder / notebook, PROBE, folder, env=env, cwd=folder)
+    done = _run(python, "-c", NOTEBOOK_RUNNER, folder / notebook, PROBE, folder, env=env, cwd=folder)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
