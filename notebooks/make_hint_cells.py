@@ -7,6 +7,7 @@ level, then the solution's code, as collapsed ``<details>`` blocks.
 
     python notebooks/make_hint_cells.py            # rewrite the hints cells (make notebooks runs it)
     python notebooks/make_hint_cells.py --check    # exit 1 naming every stale cell (the tests do this)
+    python notebooks/make_hint_cells.py notebooks/04_flash_attention_in_jax.ipynb   # only these notebooks
 """
 
 from __future__ import annotations
@@ -58,9 +59,10 @@ def stale_cells(path: Path) -> list[str]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="only report stale cells; exit 1 if any")
+    parser.add_argument("notebooks", nargs="*", type=Path, help="the notebooks to look at (all if none)")
     args = parser.parse_args()
     stale_any = False
-    for path in NOTEBOOKS:
+    for path in [p.resolve() for p in args.notebooks] or NOTEBOOKS:
         stale = stale_cells(path)
         if not stale:
             continue

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import difflib
+import fcntl
 import importlib
 import inspect
 import io
@@ -203,11 +204,46 @@ def load_equivalent() -> dict[str, dict]:
     return json.loads(EQUIVALENT.read_text()) if EQUIVALENT.exists() else {}
 
 
+@contextlib.contextmanager
+def _locked():
+    """One writer at a time for the report and the equivalents (several runs may share a checkout)."""
+    DATA.mkdir(parents=True, exist_ok=True)
+    with open(DATA / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def record_equivalent(key: str, why: str) -> None:
+    """Record mutant ``key`` (as a run prints it) as equivalent to the solution, with the reason in one line."""
+    name = key.split(":", 1)[0]
+    every = puzzles()
+    if name not in every:
+        raise SystemExit(f"unknown puzzle {name!r} in {key!r}")
+    found = {m.key: m for m in mutants_of(name, every[name])}
+    if key not in found:
+        raise SystemExit(f"{key!r} is not a mutant of {name}'s current solution")
+    if len(why.strip()) <= 10:
+        raise SystemExit("say in a line why the mutant computes the same thing")
+    with _locked():
+        equivalent = load_equivalent()
+        equivalent[key] = {"diff": found[key].diff, "why": why.strip()}
+        EQUIVALENT.write_text(json.dumps(dict(sorted(equivalent.items())), indent=1) + "\n")
+    print(f"recorded {key} as equivalent; run python tests/mutants.py {name} to update the report")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("names", nargs="*", help="puzzles to run (module.NAME, e.g. variants.BLOCK_KIND); all if none")
     parser.add_argument("--list", action="store_true", help="count the mutants per puzzle, run nothing")
+    parser.add_argument("--equivalent", nargs=2, metavar=("KEY", "WHY"),
+                        help="record mutant KEY (as a run prints it) as equivalent, WHY in one line; run nothing")
     args = parser.parse_args(argv)
+    if args.equivalent:
+        record_equivalent(*args.equivalent)
+        return 0
     every = puzzles()
     unknown = sorted(set(args.names) - set(every))
     if unknown:
@@ -236,13 +272,13 @@ def main(argv: list[str] | None = None) -> int:
               f"{counts['survived']} survived ({seconds:.0f} s)", flush=True)
         results[name] = {"mutants": len(mutants), **counts, "seconds": round(seconds, 1), "survivors": survived}
     if not args.list:  # merged into the report as it is now (another run may have written it meanwhile)
-        report = json.loads(REPORT.read_text()) if REPORT.exists() else {"puzzles": {}}
-        report["puzzles"].update(results)
-        report["date"] = time.strftime("%Y-%m-%d")
-        report["machine"] = f"{platform.machine()}, {len(os.sched_getaffinity(0))} cores, CPU only"
-        report["operators"] = [*OPERATORS, *EXTRA]
-        DATA.mkdir(parents=True, exist_ok=True)
-        REPORT.write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
+        with _locked():
+            report = json.loads(REPORT.read_text()) if REPORT.exists() else {"puzzles": {}}
+            report["puzzles"].update(results)
+            report["date"] = time.strftime("%Y-%m-%d")
+            report["machine"] = f"{platform.machine()}, {len(os.sched_getaffinity(0))} cores, CPU only"
+            report["operators"] = [*OPERATORS, *EXTRA]
+            REPORT.write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
     return 1 if survivors else 0
 
 

@@ -113,4 +113,38 @@ def test_hint_levels_end_with_the_solution(capsys):
     with pytest.raises(ValueError, match="level must be 1 to 3"):
         DOUBLE.hint(4)
     with pytest.raises(ValueError, match="at least two graded hints"):
-        Puzzle("p", _check_double, _double, ("one",))
+        Puzzle("puzzle 9: p", _check_double, _double, ("one",))
+    with pytest.raises(ValueError, match="starts with 'puzzle' or 'exercise'"):
+        Puzzle("p", _check_double, _double, ("one", "two"))
+
+
+def _check_six(answer):
+    if answer != 6:
+        raise CheckFailed(f"failed: six — got {answer}")
+    print("passed: six")
+
+
+def _six():
+    return 2 * 3
+
+
+SIX = Puzzle("exercise 1: six", _check_six, _six, ("a product", "of two and three"), answer_is_value=True)
+
+
+def test_an_exercise_says_passed_and_takes_a_value_or_a_function_giving_it(capsys):
+    assert SIX.use(6) == 6
+    assert capsys.readouterr().out.splitlines()[-1] == "exercise 1: six: passed"
+    assert SIX.use(lambda: 6) == 6
+    assert SIX.solved() == 6 and "def _six():" in SIX.hint_text(3)
+
+
+def test_an_exercise_not_attempted_or_wrong_points_at_its_hints(capsys):
+    def stub():
+        raise NotImplementedError
+    assert SIX.use(stub) == 6
+    assert "exercise 1: six: not attempted yet — fill in the stub above" in capsys.readouterr().out
+    SIX.use(7)
+    out = capsys.readouterr().out
+    assert "failed: six — got 7" in out and "exercise 1: six: not passed yet — the hints are below the exercise" in out
+    with pytest.raises(ValueError, match="function of no arguments"):
+        Puzzle("exercise 2: p", _check_six, 6, ("one", "two"), answer_is_value=True)

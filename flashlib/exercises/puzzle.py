@@ -10,7 +10,14 @@ In a notebook the learner's stub cell is followed by::
 
 which checks the attempt and hands back the learner's function when it passes; otherwise (a stub that still
 raises ``NotImplementedError``, or an answer the checker rejects) it says so and hands back the solution, so
-a reader who skips a puzzle still runs the rest of the notebook on a working version. Errors the learner's
+a reader who skips a puzzle still runs the rest of the notebook on a working version.
+
+An end-of-notebook exercise is a ``Puzzle`` too, labelled ``"exercise N: ..."``: the same checker, graded hints
+and solution, and ``.use(...)`` prints ``passed`` or the checker's message (nothing after it depends on the
+answer). Where the learner's answer is a value (a number, a dict of counts) rather than a function,
+``answer_is_value=True``: the solution is then the function of no arguments that works the value out (what the
+last hint level prints, and what mutation testing mutates), and ``.use`` takes the value or a function of no
+arguments returning it (a stub that raises ``NotImplementedError`` reads as not attempted). Errors the learner's
 code raises itself (a ``TypeError``, a Mosaic error) propagate with their traceback: that is what they debug.
 
 The hints are drawn in the notebook as collapsed markdown by ``notebooks/make_hint_cells.py`` from this one
@@ -37,37 +44,59 @@ class Puzzle:
     correct answer of the same kind, ``hints`` go from a nudge to nearly the code (the solution is the level
     after the last hint)."""
 
-    label: str  # "puzzle 1: stable softmax", as the notebook's heading names it
+    label: str  # "puzzle 1: stable softmax" or "exercise 2: the log-sum-exp", as the notebook's heading names it
     checker: Callable[[Any], object]
     solution: Any
     hints: tuple[str, ...]
+    answer_is_value: bool = False  # the answer is a value; ``solution`` is the function of no arguments giving it
 
     def __post_init__(self) -> None:
+        if self.kind not in ("puzzle", "exercise"):
+            raise ValueError(f"Puzzle {self.label!r}: the label starts with 'puzzle' or 'exercise'")
         if len(self.hints) < 2:
             raise ValueError(f"Puzzle {self.label!r}: give at least two graded hints before the solution")
+        if self.answer_is_value and not callable(self.solution):
+            raise ValueError(f"Puzzle {self.label!r}: with answer_is_value, the solution is the function of no "
+                             "arguments that works the value out")
+
+    @property
+    def kind(self) -> str:
+        """``"puzzle"`` (later cells run the learner's answer) or ``"exercise"`` (nothing depends on it)."""
+        return self.label.replace(":", " ").split(" ", 1)[0]
+
+    def solved(self) -> Any:
+        """A correct answer: the solution itself, or for a value answer the value it works out."""
+        return self.solution() if self.answer_is_value else self.solution
 
     def check(self, answer: Any) -> None:
         """Run the checker on ``answer`` (raises :class:`CheckFailed` or ``NotImplementedError`` for a stub)."""
-        self.checker(answer)
+        self.checker(self._value(answer))
+
+    def _value(self, answer: Any) -> Any:
+        return answer() if self.answer_is_value and callable(answer) else answer
 
     def use(self, answer: Any) -> Any:
         """Check ``answer``; return it when it passes, otherwise say why and return the solution instead."""
+        exercise = self.kind == "exercise"
         try:
+            answer = self._value(answer)
             self.checker(answer)
         except NotImplementedError:
-            print(f"{self.label}: not attempted yet — the rest of this notebook uses flashlib's version "
-                  "(fill in the stub, then run it and this cell again)")
-            return self.solution
+            print(f"{self.label}: not attempted yet — " + ("fill in the stub above, then run it and this cell again"
+                  if exercise else "the rest of this notebook uses flashlib's version (fill in the stub, then run "
+                  "it and this cell again)"))
+            return self.solved()
         except CheckFailed as failure:
             reset_interpreter()
             print(failure)
-            print(f"{self.label}: not passed yet — the rest of this notebook uses flashlib's version until "
-                  "yours passes (the hints are below the puzzle)")
-            return self.solution
+            print(f"{self.label}: not passed yet — " + ("the hints are below the exercise" if exercise else
+                  "the rest of this notebook uses flashlib's version until yours passes (the hints are below the "
+                  "puzzle)"))
+            return self.solved()
         except Exception:
             reset_interpreter()  # a kernel that raised must not break the notebook's next one (jax 0.7.2)
             raise
-        print(f"{self.label}: solved — the rest of this notebook runs your version")
+        print(f"{self.label}: " + ("passed" if exercise else "solved — the rest of this notebook runs your version"))
         return answer
 
     @property
