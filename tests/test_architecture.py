@@ -37,9 +37,10 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (  # bottom up
     ("the public surface", ("flashlib",)),
     ("measurement: static estimates, the performance lab's tables", ("flashlib.estimate", "flashlib.perf_data",
                                                                   "flashlib.decode_estimate")),
-    ("top: tuning sweep, benchmark, plots, widgets, the learner's puzzles and exercises (they check every stage)", (
+    ("top: tuning sweep, benchmark, plots, widgets, the tiny model the notebooks train, the learner's puzzles and "
+     "exercises (they check every stage)", (
         "flashlib.tuning", "flashlib.bench", "flashlib.perf_plots", "flashlib.widgets",
-        "flashlib.exercises", "flashlib.exercises.*",
+        "flashlib.exercises", "flashlib.exercises.*", "flashlib.char_model",
     )),
 )
 MAX_LINES = 400
