@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from flashlib import cost, data, perf_data
-from flashlib.checks import CheckFailed, exercise
+from flashlib.checks import CheckFailed
 from flashlib.exercises import performance as nb08
 from flashlib.kernels import BlockSizes
 from flashlib.kernels.block_sizes import MIB, vmem_limit_bytes
@@ -148,12 +148,6 @@ def test_the_cases_are_what_their_names_say():
 # -- exercise 1: intensity with padding ------------------------------------------------------------------
 
 
-def intensity_solution(seq, block_q, block_k):
-    sizes = BlockSizes(block_q, block_k).fit(seq, seq, jnp.bfloat16)
-    return (cost.attention_flops(1, 8, seq, seq, 128, False, sizes)
-            / cost.attention_bytes(1, 8, seq, seq, 128, False, jnp.bfloat16, sizes))
-
-
 def intensity_ideal(seq, block_q, block_k):
     return cost.attention_flops(1, 8, seq, seq, 128, False) / cost.attention_bytes(1, 8, seq, seq, 128, False,
                                                                                    jnp.bfloat16)
@@ -192,8 +186,8 @@ def intensity_by_hand(seq, block_q, block_k):  # another valid style: whole bloc
 def test_intensity_stub_is_not_attempted(capsys):
     def kernel_intensity(seq, block_q, block_k):
         raise NotImplementedError  # your count here
-    exercise("exercise 1", lambda: kernel_intensity, nb08.check_intensity)
-    assert "not attempted yet" in capsys.readouterr().out
+    assert nb08.KERNEL_INTENSITY.use(kernel_intensity) is nb08.kernel_intensity_solution  # as the notebook runs it
+    assert "exercise 1: intensity with padding: not attempted yet" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("wrong, message", [
@@ -211,10 +205,11 @@ def test_intensity_wrong_answers_fail_with_their_hint(wrong, message):
         nb08.check_intensity(wrong)
 
 
-@pytest.mark.parametrize("answer", [intensity_solution, intensity_by_hand])
+@pytest.mark.parametrize("answer", [nb08.kernel_intensity_solution, intensity_by_hand])
 def test_intensity_solution_passes(answer, capsys):
-    exercise("exercise 1", lambda: answer, nb08.check_intensity)
-    assert capsys.readouterr().out.startswith("passed: kernel intensity")
+    assert nb08.KERNEL_INTENSITY.use(answer) is answer
+    out = capsys.readouterr().out
+    assert out.startswith("passed: kernel intensity") and "exercise 1: intensity with padding: passed" in out
 
 
 # -- exercise 2: the step cost, fitted -------------------------------------------------------------------
@@ -229,8 +224,8 @@ def _sweep_fit(generation=None, x="grid_steps", y="cycles"):
 def test_step_cost_stub_is_not_attempted(capsys):
     def my_step_cost():
         raise NotImplementedError  # np.polyfit(steps, cycles, 1) returns (slope, intercept)
-    exercise("exercise 2", my_step_cost, nb08.check_step_cost)
-    assert "not attempted yet" in capsys.readouterr().out
+    assert nb08.STEP_COST.use(my_step_cost) == nb08.step_cost_solution()  # as the notebook runs it
+    assert "exercise 2: fit the step cost yourself: not attempted yet" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("wrong, message", [
@@ -252,10 +247,12 @@ def _lstsq_slope():  # another valid style: least squares by hand
     return float(np.linalg.lstsq(design, np.array([r["cycles"] for r in rows], float), rcond=None)[0][0])
 
 
-@pytest.mark.parametrize("answer", [lambda: _sweep_fit("v6e")[0], _lstsq_slope])
+@pytest.mark.parametrize("answer", [nb08.step_cost_solution, _lstsq_slope])
 def test_step_cost_solution_passes(answer, capsys):
-    exercise("exercise 2", answer, nb08.check_step_cost)
-    assert capsys.readouterr().out.startswith("passed: v6e fixed cycles per grid step")
+    assert nb08.STEP_COST.use(answer) == answer()  # a value answer: the function that works it out, or the value
+    assert nb08.STEP_COST.use(answer()) == answer()
+    out = capsys.readouterr().out
+    assert out.startswith("passed: v6e fixed cycles per grid step") and out.count("yourself: passed") == 2
 
 
 # -- exercise 3: the crossover ---------------------------------------------------------------------------
@@ -267,10 +264,7 @@ def _ratios(rows, generation, impl="pallas"):
     return {r["seq"]: r["cycles"] / xla[r["seq"]] for r in perf_data.select(ok, impl=impl) if r["seq"] in xla}
 
 
-def crossover_solution(rows, generation):
-    ratios = _ratios(rows, generation)
-    seqs = sorted(ratios)
-    return next((s for i, s in enumerate(seqs) if all(ratios[t] < 1 for t in seqs[i:])), None)
+crossover_solution = nb08.crossover_solution
 
 
 def crossover_first_win(rows, generation):  # the first win, lost again or not
@@ -350,8 +344,8 @@ def crossover_after_the_last_loss(rows, generation):  # another valid style: the
 def test_crossover_stub_is_not_attempted(capsys):
     def crossover(rows, generation):
         raise NotImplementedError
-    exercise("exercise 3", lambda: crossover, nb08.check_crossover)
-    assert "not attempted yet" in capsys.readouterr().out
+    assert nb08.CROSSOVER.use(crossover) is nb08.crossover_solution  # as the notebook runs it
+    assert "exercise 3: where the kernel starts to win: not attempted yet" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("wrong, message", [
@@ -376,8 +370,9 @@ def test_crossover_wrong_answers_fail_with_their_hint(wrong, message):
 
 @pytest.mark.parametrize("answer", [crossover_solution, crossover_after_the_last_loss])
 def test_crossover_solution_passes(answer, capsys):
-    exercise("exercise 3", lambda: answer, nb08.check_crossover)
-    assert capsys.readouterr().out.startswith("passed: crossover")
+    assert nb08.CROSSOVER.use(answer) is answer
+    out = capsys.readouterr().out
+    assert out.startswith("passed: crossover") and "starts to win: passed" in out
 
 
 def test_crossover_first_win_is_right_on_the_committed_sweep():

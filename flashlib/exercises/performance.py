@@ -1,6 +1,7 @@
 """Notebook 08's puzzle and exercises: choosing block sizes by the compiler's estimate under a VMEM budget
-(:data:`CHOOSE_BLOCKS`), and the checkers of exercise 1 (a kernel's intensity with padding), 2 (the fixed
-cost per grid step, fitted) and 3 (where flashlib's kernel starts to beat XLA).
+(:data:`CHOOSE_BLOCKS`), and exercise 1 (a kernel's intensity with padding, :data:`KERNEL_INTENSITY`), 2 (the
+fixed cost per grid step, fitted, :data:`STEP_COST`) and 3 (where flashlib's kernel starts to beat XLA,
+:data:`CROSSOVER`). The solutions are in :mod:`flashlib.exercises.performance_solutions`.
 
 The checkers read only committed tables (``data/``) and small synthetic ones: nothing here compiles.
 """
@@ -15,26 +16,24 @@ import numpy as np
 
 from flashlib import cost, data, perf_data
 from flashlib.checks import CheckFailed
+from flashlib.exercises.performance_solutions import (
+    choose_blocks_solution,
+    crossover_solution,
+    kernel_intensity_solution,
+    step_cost_solution,
+)
 from flashlib.exercises.puzzle import Puzzle
 from flashlib.kernels import BlockSizes
 from flashlib.kernels.block_sizes import MIB, vmem_limit_bytes
 from flashlib.kernels.tuned_table import TableKey, load_tuned_table
 
-__all__ = ["CHOOSE_BLOCKS", "check_choose_blocks", "check_crossover", "check_intensity", "check_step_cost",
-           "choose_blocks_solution"]
+__all__ = ["CHOOSE_BLOCKS", "CROSSOVER", "KERNEL_INTENSITY", "STEP_COST", "check_choose_blocks", "check_crossover",
+           "check_intensity", "check_step_cost", "choose_blocks_solution", "crossover_solution",
+           "kernel_intensity_solution", "step_cost_solution"]
 
 # -- the puzzle: choose the blocks ------------------------------------------------------------------------
 
 Estimates = Sequence[tuple[BlockSizes, int]]
-
-
-def choose_blocks_solution(estimates, head_dim, dtype, budget):
-    fitting = [(sizes, cycles) for sizes, cycles in estimates if sizes.vmem_bytes(head_dim, dtype) <= budget]
-    if not fitting:
-        return None
-    # fewest cycles; a tie goes to less VMEM (min keeps the earlier of two equal keys)
-    sizes, _ = min(fitting, key=lambda pair: (pair[1], pair[0].vmem_bytes(head_dim, dtype)))
-    return sizes
 
 
 def _label(sizes: BlockSizes) -> str:
@@ -206,6 +205,21 @@ def _intensities(seq: int, block_q: int, block_k: int) -> tuple[float, list[tupl
     return flops / traffic, mistakes
 
 
+KERNEL_INTENSITY = Puzzle(
+    "exercise 1: intensity with padding",
+    check_intensity,
+    kernel_intensity_solution,
+    (
+        "Three steps: the blocks the kernel really runs, `BlockSizes(block_q, block_k).fit(seq, seq, "
+        "jnp.bfloat16)`; the FLOPs and the HBM bytes of the shape `[1, 8, seq, 128]` with those blocks; their "
+        "ratio. Section 1's formula assumes lengths that are multiples of the blocks, so it is not the answer.",
+        "`cost.attention_flops(1, 8, seq, seq, 128, False, sizes)` counts every score of every padded block, and "
+        "`cost.attention_bytes(1, 8, seq, seq, 128, False, jnp.bfloat16, sizes)` the bytes, k and v re-read once "
+        "per query block. Pass the *fitted* `sizes` to both (no lse: leave `with_lse` at its default).",
+    ),
+)
+
+
 # -- exercise 2: the fixed cost per grid step, fitted ----------------------------------------------------
 
 
@@ -243,6 +257,20 @@ def check_step_cost(per_step: float) -> None:
     why = next((hint for value, hint in mistakes if abs(got / value - 1.0) <= 1e-3),
                "fit cycles against grid_steps over the v6e rows with status 'ok' and return the slope")
     raise CheckFailed(f"failed: v6e fixed cycles per grid step — got {got:,.6g}, expected {want[0]:,.6g}: {why}")
+
+
+STEP_COST = Puzzle(
+    "exercise 2: fit the step cost yourself",
+    check_step_cost,
+    step_cost_solution,
+    (
+        "Keep the rows of `BLOCK_SWEEP` (a list of dicts) whose `\"generation\"` is `\"v6e\"` and whose "
+        "`\"status\"` is `\"ok\"`; x is each row's `\"grid_steps\"`, y its `\"cycles\"`.",
+        "`np.polyfit(x, y, 1)` fits a line and returns its coefficients highest power first: `per_step, rest = "
+        "np.polyfit(steps, cycles, 1)`. Return `per_step` alone, one number.",
+    ),
+    answer_is_value=True,
+)
 
 
 # -- exercise 3: where does flashlib's kernel start to win? -----------------------------------------------
@@ -322,3 +350,18 @@ def check_crossover(crossover: Callable[[list[dict[str, Any]], str], int | None]
             raise CheckFailed(f"{fail} got {got}, expected {want}: {why}")
     print(f"passed: crossover in all {len(cases)} cases (a win that does not last, the other columns, another chip, "
           "missing estimates, a tie, other lengths)")
+
+
+CROSSOVER = Puzzle(
+    "exercise 3: where the kernel starts to win",
+    check_crossover,
+    crossover_solution,
+    (
+        "Keep the rows of this `generation` with status `\"ok\"`, make two dicts `{seq: cycles}`, one for impl "
+        "`\"xla\"` and one for `\"pallas\"`, and walk the lengths both have, sorted, shortest first. A win is "
+        "fewer cycles than XLA's (a tie is not a win).",
+        "The first win is not the answer when a loss comes after it. With `wins = [ours[s] < xla[s] for s in "
+        "seqs]`, the crossover is the first `seqs[i]` with `all(wins[i:])`: "
+        "`next((s for i, s in enumerate(seqs) if all(wins[i:])), None)`.",
+    ),
+)
