@@ -186,14 +186,7 @@ def test_head_solution_passes(capsys):
 # -- exercise 1: one head from scratch -------------------------------------------------------------------------
 
 
-def one_head_solution(q, k, v, block_k):
-    m, l, acc = jnp.full(q.shape[0], -jnp.inf), jnp.zeros(q.shape[0]), jnp.zeros(q.shape)  # noqa: E741
-    for lo in range(0, k.shape[0], block_k):
-        s = q @ k[lo:lo + block_k].T * reference.default_scale(q.shape[1])
-        m_new = jnp.maximum(m, s.max(axis=1))
-        alpha, p = jnp.exp(m - m_new), jnp.exp(s - m_new[:, None])
-        m, l, acc = m_new, alpha * l + p.sum(axis=1), alpha[:, None] * acc + p @ v[lo:lo + block_k]  # noqa: E741
-    return acc / l[:, None]
+one_head_solution = nb04.flash_attention_one_head_solution
 
 
 def one_head_whole_blocks_only(q, k, v, block_k):  # range(kv_len // block_k): the short last block is lost
@@ -264,8 +257,8 @@ def one_head_numpy_float32(q, k, v, block_k, scale=None):  # another valid style
 
 
 def test_one_head_stub_is_not_attempted(capsys):
-    exercise("exercise 1", lambda: _stub, nb04.check_one_head)  # as the notebook calls it
-    assert "not attempted yet" in capsys.readouterr().out
+    assert nb04.ONE_HEAD.use(_stub) is one_head_solution  # as the notebook calls it
+    assert "exercise 1: from scratch: not attempted yet" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("wrong, message", [
@@ -291,8 +284,9 @@ def test_one_head_wrong_answers_fail_with_their_hint(wrong, message):
 
 @pytest.mark.parametrize("answer", [one_head_solution, one_head_numpy_float32])
 def test_one_head_solution_passes(answer, capsys):
-    exercise("exercise 1", lambda: answer, nb04.check_one_head)
-    assert capsys.readouterr().out.startswith("passed: exercise 1")
+    assert nb04.ONE_HEAD.use(answer) is answer
+    out = capsys.readouterr().out
+    assert out.startswith("passed: exercise 1") and "exercise 1: from scratch: passed" in out
 
 
 # -- exercise 2: the log-sum-exp ----------------------------------------------------------------------------------
@@ -309,8 +303,8 @@ def with_lse(q, k, v, block_k, *, lse_of=lambda m, l: m + jnp.log(l), m0=-jnp.in
 
 
 def test_lse_stub_is_not_attempted(capsys):
-    exercise("exercise 2", lambda: _stub, nb04.check_lse)
-    assert "not attempted yet" in capsys.readouterr().out
+    assert nb04.LSE.use(_stub) is nb04.flash_attention_with_lse_solution
+    assert "exercise 2: the log-sum-exp: not attempted yet" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("lse_of, message", [
@@ -349,8 +343,9 @@ def test_lse_all_at_once_fails():  # jax.nn.logsumexp of the whole score matrix:
         nb04.check_lse(all_at_once)
 
 
-def test_lse_solution_passes(capsys):
-    exercise("exercise 2", lambda: with_lse, nb04.check_lse)
+@pytest.mark.parametrize("answer", [nb04.flash_attention_with_lse_solution, with_lse])
+def test_lse_solution_passes(answer, capsys):
+    assert nb04.LSE.use(answer) is answer
     assert capsys.readouterr().out.startswith("passed: exercise 2")
 
 
@@ -360,10 +355,19 @@ def test_lse_solution_passes(capsys):
 RIGHT = {"naive": (2, 0), "library blockwise": (1, 1), "ours": (0, 1)}
 
 
+def test_exponents_solution_works_them_out():
+    assert nb04.scratch_exponents_solution() == RIGHT
+    assert nb04.SCRATCH_EXPONENTS.solved() == RIGHT
+
+
 def test_exponents_stub_is_not_attempted(capsys):
-    exercise("exercise 3", lambda: {"naive": None, "library blockwise": None, "ours": None},
+    def scratch_exponents():  # the notebook's stub
+        raise NotImplementedError
+
+    assert nb04.SCRATCH_EXPONENTS.use(scratch_exponents) == RIGHT
+    exercise("exercise 3", lambda: {"naive": None, "library blockwise": None, "ours": None},  # a dict left empty
              nb04.check_scratch_exponents)
-    assert "not attempted yet" in capsys.readouterr().out
+    assert capsys.readouterr().out.count("not attempted yet") == 2
 
 
 @pytest.mark.parametrize("wrong, message", [
@@ -380,7 +384,9 @@ def test_exponents_wrong_answers_fail_with_their_hint(wrong, message):
         nb04.check_scratch_exponents(wrong)
 
 
-@pytest.mark.parametrize("answer", [RIGHT, {method: list(pair) for method, pair in RIGHT.items()}])
+@pytest.mark.parametrize("answer", [RIGHT, {method: list(pair) for method, pair in RIGHT.items()},
+                                    lambda: RIGHT, nb04.scratch_exponents_solution])  # a value, or a function of it
 def test_exponents_solution_passes(answer, capsys):
-    exercise("exercise 3", lambda: answer, nb04.check_scratch_exponents)
-    assert capsys.readouterr().out.startswith("passed: exercise 3")
+    nb04.SCRATCH_EXPONENTS.use(answer)
+    out = capsys.readouterr().out
+    assert out.startswith("passed: exercise 3") and "exercise 3: what sets the scratch memory: passed" in out

@@ -29,11 +29,19 @@ import flashlib
 from flashlib import reference
 from flashlib.blockwise import blockwise_attention
 from flashlib.checks import CheckFailed, check_attention
-from flashlib.exercises.flash_jax_solutions import flash_attention_head_solution, fold_kv_block
+from flashlib.exercises.flash_jax_solutions import (
+    flash_attention_head_solution,
+    flash_attention_one_head_solution,
+    flash_attention_with_lse_solution,
+    fold_kv_block,
+    scratch_exponents_solution,
+)
 from flashlib.exercises.puzzle import Puzzle
 
-__all__ = ["FLASH_ATTENTION_HEAD", "check_flash_attention_head", "check_lse", "check_one_head",
-           "check_scratch_exponents", "flash_attention_head_solution", "fold_kv_block"]
+__all__ = ["FLASH_ATTENTION_HEAD", "LSE", "ONE_HEAD", "SCRATCH_EXPONENTS", "check_flash_attention_head", "check_lse",
+           "check_one_head", "check_scratch_exponents", "flash_attention_head_solution",
+           "flash_attention_one_head_solution", "flash_attention_with_lse_solution", "fold_kv_block",
+           "scratch_exponents_solution"]
 
 
 # -- judging an attention output: the oracle, then what each usual mistake would have computed ------------------
@@ -344,6 +352,18 @@ def check_one_head(fn: Callable[..., Any], blocks_k: Sequence[int] = (25, 32, 10
           "(divides kv_len = 75, does not, is larger) and with every score far below zero")
 
 
+ONE_HEAD = Puzzle("exercise 1: from scratch", check_one_head, flash_attention_one_head_solution, (
+    "Keep three running values per query row: the maximum `m` (start at `-inf`), the sum `l` (start at 0) and the "
+    "unnormalised output `acc` (zeros, `[q_len, d]`). Visit the keys `block_k` at a time, `for lo in range(0, "
+    "kv_len, block_k)`: the slice `k[lo:lo + block_k]` is simply shorter for the last block, and is all of `k` "
+    "when `block_k > kv_len`.",
+    "Per block: `s = q @ k_blk.T * reference.default_scale(d)`; `m_new = jnp.maximum(m, s.max(axis=1))`; "
+    "`alpha = jnp.exp(m - m_new)` rescales what came before and `p = jnp.exp(s - m_new[:, None])` weighs this "
+    "block; then `l = alpha * l + p.sum(axis=1)` and `acc = alpha[:, None] * acc + p @ v_blk`. After the loop "
+    "divide once, `acc / l[:, None]`. Build the state with `jnp` (or `dtype=q.dtype`) so it stays float32.",
+))
+
+
 # -- exercise 2: the log-sum-exp -----------------------------------------------------------------------------
 
 
@@ -387,6 +407,14 @@ def check_lse(fn: Callable[..., Any], blocks_k: Sequence[int] = (32, 100)) -> No
                               "final m and l, lse = m + log(l)")
     print(f"passed: exercise 2, out and lse match the float64 oracle for block_k = {', '.join(map(str, blocks_k))} "
           "and with every score far below zero")
+
+
+LSE = Puzzle("exercise 2: the log-sum-exp", check_lse, flash_attention_with_lse_solution, (
+    "Exercise 1's loop already ends with what you need: each row's maximum `m` and its sum `l`, which is measured "
+    "against `m`: `l = sum over j of e^(s_j - m)`.",
+    "So `sum over j of e^(s_j) = e^m * l`, and its log is `m + log(l)`: return `(acc / l[:, None], m + "
+    "jnp.log(l))`, one number per query row (shape `[q_len]`).",
+))
 
 
 # -- exercise 3: predict how scratch memory scales -----------------------------------------------------------
@@ -445,3 +473,15 @@ def check_scratch_exponents(predicted: dict[str, Any]) -> None:
                 raise CheckFailed(f"failed: exercise 3, {method} — you predicted scratch ∝ {axis}^{guess}, XLA "
                                   f"measures {axis}^{got:.2f} (x{2 ** got:.2f} when {axis} doubles): {why}")
     print("passed: exercise 3, your exponents match XLA's measured scratch for naive, library blockwise and ours")
+
+
+SCRATCH_EXPONENTS = Puzzle("exercise 3: what sets the scratch memory", check_scratch_exponents,
+                           scratch_exponents_solution, (
+    "For each method, write down the shape of the largest array it holds at once, for one head: naive attention's "
+    "score matrix, the library's slab (one key block against every query), ours' tile (one query block against "
+    "one key block). Its size is the product of its dimensions; doubling a dimension that appears `a` times "
+    "multiplies it by `2^a`.",
+    "Naive holds `[N, N]`: `N^2`, and `block_k` does not enter it. The library's slab is `[N, block_k]`: `N^1 "
+    "block_k^1`. Ours holds one `[block_q, block_k]` tile with `block_q = 128` fixed: `N` only sets how many steps "
+    "there are, so `N^0 block_k^1`.",
+), answer_is_value=True)

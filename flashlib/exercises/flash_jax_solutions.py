@@ -1,8 +1,11 @@
-"""The teaching solution of notebook 04's puzzle (the one-head flash attention and its fold), kept apart from its
-checker in :mod:`flashlib.exercises.flash_jax`, which imports it. Its source is what the notebook's hint cells show
+"""The teaching solutions of notebook 04's puzzle (the one-head flash attention and its fold) and exercises (one
+head from scratch, the log-sum-exp, the exponents of scratch memory), kept apart from their checkers in
+:mod:`flashlib.exercises.flash_jax`, which imports them. Their source is what the notebook's hint cells show
 (``notebooks/make_hint_cells.py``)."""
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +13,8 @@ import jax.numpy as jnp
 from flashlib import reference
 from flashlib.blockwise import pad_to_multiple
 
-__all__ = ["flash_attention_head_solution", "fold_kv_block"]
+__all__ = ["flash_attention_head_solution", "flash_attention_one_head_solution", "flash_attention_with_lse_solution",
+           "fold_kv_block", "scratch_exponents_solution"]
 
 
 # -- the puzzle's solution (the notebook's worked code) ---------------------------------------------------
@@ -50,3 +54,45 @@ def flash_attention_head_solution(q, k, v, *, causal=False, block_q=128, block_k
 
     out = jax.lax.map(lambda args: one_q_block(*args), (jnp.arange(len(qb)), qb))  # [nq, bq, d]
     return out.reshape(-1, d)[:q_len]  # drop the padded query rows
+
+
+# -- the exercises' solutions -------------------------------------------------------------------------------
+
+
+def flash_attention_one_head_solution(q, k, v, block_k):
+    # q [q_len, d], k, v [kv_len, d] -> out [q_len, d], no mask; the state in q's dtype
+    m = jnp.full(q.shape[0], -jnp.inf, q.dtype)  # running maximum of each row's scores
+    l, acc = jnp.zeros(q.shape[0], q.dtype), jnp.zeros(q.shape, q.dtype)  # running sum, unnormalised output
+    for lo in range(0, k.shape[0], block_k):  # the last block is shorter, or the whole of k
+        s = q @ k[lo:lo + block_k].T * reference.default_scale(q.shape[1])  # [q_len, <= block_k]
+        m_new = jnp.maximum(m, s.max(axis=1))
+        alpha, p = jnp.exp(m - m_new), jnp.exp(s - m_new[:, None])  # rescale the past; this block's weights
+        m, l, acc = m_new, alpha * l + p.sum(axis=1), alpha[:, None] * acc + p @ v[lo:lo + block_k]
+    return acc / l[:, None]  # divide once, at the end
+
+
+def flash_attention_with_lse_solution(q, k, v, block_k):
+    # exercise 1's loop, returning (out [q_len, d], lse [q_len])
+    m = jnp.full(q.shape[0], -jnp.inf, q.dtype)
+    l, acc = jnp.zeros(q.shape[0], q.dtype), jnp.zeros(q.shape, q.dtype)
+    for lo in range(0, k.shape[0], block_k):
+        s = q @ k[lo:lo + block_k].T * reference.default_scale(q.shape[1])
+        m_new = jnp.maximum(m, s.max(axis=1))
+        alpha, p = jnp.exp(m - m_new), jnp.exp(s - m_new[:, None])
+        m, l, acc = m_new, alpha * l + p.sum(axis=1), alpha[:, None] * acc + p @ v[lo:lo + block_k]
+    return acc / l[:, None], m + jnp.log(l)  # l = sum of e^(s - m), so log(sum of e^s) = m + log(l)
+
+
+def scratch_exponents_solution():
+    # The largest array each method holds at once (one head), as a number of floats:
+    block_q = 128
+    peak = {"naive": lambda n, block_k: n * n,  # the whole [N, N] score matrix
+            "library blockwise": lambda n, block_k: n * block_k,  # one [N, block_k] slab: every query block at once
+            "ours": lambda n, block_k: block_q * block_k}  # one [block_q, block_k] tile; N only sets the step count
+    n, block_k = 2048, 256  # where the checker starts doubling
+    exponents = {}
+    for method, size in peak.items():  # doubling a size multiplies it by 2^exponent
+        a = math.log2(size(2 * n, block_k) / size(n, block_k))
+        b = math.log2(size(n, 2 * block_k) / size(n, block_k))
+        exponents[method] = (round(a), round(b))
+    return exponents
