@@ -12,7 +12,7 @@ import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from flashlib.checks import CheckFailed, exercise
+from flashlib.checks import CheckFailed
 from flashlib.exercises import pallas_basics as nb05
 
 
@@ -243,7 +243,7 @@ def test_tiled_matmul_solution_passes(capsys):
 
 
 def _matmul_bias(bias_map=lambda i, j, k: (0, j), every_step=False, plain_interpret=False, at_init=False,
-                 also_at_init=False, out_dtype=jnp.float32, square=False, broadcast=False):
+                 also_at_init=False, out_dtype=jnp.float32, square=False, broadcast=False, last_of=2, n_axis=1):
     def matmul_bias(x, y, bias, *, interpret=True):
         def kernel(x_ref, y_ref, b_ref, o_ref, acc_ref):
             k = pl.program_id(2)
@@ -256,11 +256,11 @@ def _matmul_bias(bias_map=lambda i, j, k: (0, j), every_step=False, plain_interp
             if every_step:
                 acc_ref[...] += b_ref[...]
 
-            @pl.when(k == pl.num_programs(2) - 1)
+            @pl.when(k == pl.num_programs(last_of) - 1)
             def _():
                 o_ref[...] = (acc_ref[...] + (0 if every_step or at_init else b_ref[...])).astype(o_ref.dtype)
 
-        (m, kk), n = x.shape, y.shape[1]
+        (m, kk), n = x.shape, y.shape[n_axis]
         return pl.pallas_call(
             kernel, grid=(m // 128, (m if square else n) // 128, kk // 128),
             in_specs=[pl.BlockSpec((128, 128), lambda i, j, k: (i, k)),
@@ -279,8 +279,8 @@ def _bias_outside(x, y, bias, *, interpret=True):  # right numbers, but the bias
 
 
 def test_matmul_bias_stub_is_not_attempted(capsys):
-    exercise("exercise 1", lambda: _stub, nb05.check_matmul_bias)
-    assert "not attempted yet" in capsys.readouterr().out
+    assert nb05.MATMUL_BIAS.use(_stub) is nb05.matmul_bias_solution
+    assert "exercise 1: a fused bias: not attempted yet" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("wrong, message", [
@@ -294,7 +294,12 @@ def test_matmul_bias_stub_is_not_attempted(capsys):
     # the bias broadcast to [M, N] outside the kernel, tiled like the output
     (_matmul_bias(bias_map=lambda i, j, k: (i, j), broadcast=True),
      r"kernel inputs of shapes .*\(256, 256\)\], expected .* as they are"),
-    (_matmul_bias(square=True), r"output blocks \[\(0, 1\), \(0, 2\)\] are never written \(NaN\): the grid"),
+    (_matmul_bias(square=True), r"output blocks \[\(0, 1\)\] are never written \(NaN\): the grid"),
+    # mutants of the solution (tests/mutants.py) that passed while every case had N = K: finalize on the last
+    # step of the column axis, and N read from y's rows
+    (_matmul_bias(last_of=1), r"case 'grid \(1, 2, 3\).* — only the first 2 of the 3 k steps reached the output: "
+                            r"finalize must run on the last k step"),
+    (_matmul_bias(n_axis=0), r"case 'grid \(1, 2, 3\).*index map of input y_ref returned block \(0, 2\)"),
     (_bias_outside, "2 kernel inputs, expected one pallas_call taking the 3 arrays given"),
 ])
 def test_matmul_bias_wrong_answers_fail_with_their_hint(wrong, message):
@@ -302,18 +307,17 @@ def test_matmul_bias_wrong_answers_fail_with_their_hint(wrong, message):
         nb05.check_matmul_bias(wrong)
 
 
-@pytest.mark.parametrize("answer", [_matmul_bias(), _matmul_bias(at_init=True)])  # in finalize, or at init
+@pytest.mark.parametrize("answer", [nb05.matmul_bias_solution, _matmul_bias(at_init=True)])  # in finalize, or at init
 def test_matmul_bias_solution_passes(answer, capsys):
-    nb05.check_matmul_bias(answer)
-    assert capsys.readouterr().out.startswith("passed: matmul_bias")
+    assert nb05.MATMUL_BIAS.use(answer) is answer
+    out = capsys.readouterr().out
+    assert out.startswith("passed: matmul_bias") and "exercise 1: a fused bias: passed" in out
 
 
 # -- exercise 2: count_copies ------------------------------------------------------------------------------------
 
 
-def count_copies_solution(visits, index_map):
-    blocks = [index_map(*point) for point in visits]
-    return 1 + sum(a != b for a, b in zip(blocks, blocks[1:], strict=False))
+count_copies_solution = nb05.count_copies_solution
 
 
 def count_copies_distinct(visits, index_map):  # counts different blocks, not changes
@@ -337,8 +341,8 @@ def count_copies_runs(visits, index_map):  # another valid style: runs of equal 
 
 
 def test_count_copies_stub_is_not_attempted(capsys):
-    exercise("exercise 2", lambda: _stub, nb05.check_count_copies)
-    assert "not attempted yet" in capsys.readouterr().out
+    assert nb05.COUNT_COPIES.use(_stub) is count_copies_solution
+    assert "exercise 2: count the copies: not attempted yet" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("wrong, message", [
@@ -354,14 +358,15 @@ def test_count_copies_wrong_answers_fail_with_their_hint(wrong, message):
 
 @pytest.mark.parametrize("answer", [count_copies_solution, count_copies_runs])
 def test_count_copies_solution_passes(answer, capsys):
-    nb05.check_count_copies(answer)
-    assert capsys.readouterr().out.startswith("passed: count_copies")
+    assert nb05.COUNT_COPIES.use(answer) is answer
+    out = capsys.readouterr().out
+    assert out.startswith("passed: count_copies") and "exercise 2: count the copies: passed" in out
 
 
 # -- exercise 3: row_sum_fixed -----------------------------------------------------------------------------------
 
 
-def _row_sum(init=True, semantics=("parallel", "arbitrary"), init_axis=1):
+def _row_sum(init=True, semantics=("parallel", "arbitrary"), init_axis=1, rows_per_step=8, columns_per_step=128):
     def row_sum_fixed(x, *, interpret=True):
         def kernel(x_ref, o_ref, acc_ref):
             if init:
@@ -373,7 +378,7 @@ def _row_sum(init=True, semantics=("parallel", "arbitrary"), init_axis=1):
             o_ref[...] = acc_ref[...]
 
         return pl.pallas_call(
-            kernel, grid=(x.shape[0] // 8, x.shape[1] // 128),
+            kernel, grid=(x.shape[0] // rows_per_step, x.shape[1] // columns_per_step),
             in_specs=[pl.BlockSpec((8, 128), lambda i, j: (i, j))],
             out_specs=pl.BlockSpec((8, 1), lambda i, j: (i, 0)),
             out_shape=jax.ShapeDtypeStruct((x.shape[0], 1), jnp.float32),
@@ -383,8 +388,8 @@ def _row_sum(init=True, semantics=("parallel", "arbitrary"), init_axis=1):
 
 
 def test_row_sum_stub_is_not_attempted(capsys):
-    exercise("exercise 3", lambda: _stub, nb05.check_row_sum)
-    assert "not attempted yet" in capsys.readouterr().out
+    assert nb05.ROW_SUM.use(_stub) is nb05.row_sum_fixed_solution
+    assert "exercise 3: debug a kernel: not attempted yet" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("wrong, message", [
@@ -394,6 +399,10 @@ def test_row_sum_stub_is_not_attempted(capsys):
     (_row_sum(init_axis=0), r"only the last column block's sum reached the output: .*pl.program_id\(1\), is 0"),
     # the parallel axis moved, not removed: TPU interpret mode refuses it, the checker says why first
     (_row_sum(semantics=("arbitrary", "parallel")), "grid axis 1 carries the running sum .* marked 'parallel'"),
+    # mutants of the solution (tests/mutants.py): grids whose step counts are right for 16 or 24 rows and 384 or 512
+    # columns, wrong for 64 rows (// 7: 9 row steps) and for 16384 columns (// 127: 129 column steps)
+    (_row_sum(rows_per_step=7), r"case 'x \[64, 16384\]' — grid \(9, 128\), expected \(8, 128\)"),
+    (_row_sum(columns_per_step=127), r"case 'x \[64, 16384\]' — grid \(8, 129\), expected \(8, 128\)"),
 ])
 def test_row_sum_wrong_answers_fail_with_their_hint(wrong, message):
     with pytest.raises(CheckFailed, match=message):
@@ -414,7 +423,9 @@ def row_sum_into_output(x, *, interpret=True):  # another valid style: the resid
                           out_shape=jax.ShapeDtypeStruct((x.shape[0], 1), jnp.float32), interpret=interpret)(x)
 
 
-@pytest.mark.parametrize("answer", [_row_sum(), _row_sum(semantics=("arbitrary", "arbitrary")), row_sum_into_output])
+@pytest.mark.parametrize("answer", [nb05.row_sum_fixed_solution, _row_sum(semantics=("arbitrary", "arbitrary")),
+                                    row_sum_into_output])
 def test_row_sum_solution_passes(answer, capsys):
-    nb05.check_row_sum(answer)
-    assert capsys.readouterr().out.startswith("passed: row_sum_fixed")
+    assert nb05.ROW_SUM.use(answer) is answer
+    out = capsys.readouterr().out
+    assert out.startswith("passed: row_sum_fixed") and "exercise 3: debug a kernel: passed" in out

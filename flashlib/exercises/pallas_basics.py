@@ -28,12 +28,20 @@ from jax.experimental.pallas import tpu as pltpu
 
 from flashlib import tpu_compile
 from flashlib.checks import CheckFailed
-from flashlib.exercises.pallas_basics_solutions import add_bias_solution, matmul_kernel_solution, matmul_solution
+from flashlib.exercises.pallas_basics_solutions import (
+    add_bias_solution,
+    count_copies_solution,
+    matmul_bias_solution,
+    matmul_kernel_solution,
+    matmul_solution,
+    row_sum_fixed_solution,
+)
 from flashlib.exercises.puzzle import Puzzle
 from flashlib.exercises.start_here import traced_eqns
 
-__all__ = ["ADD_BIAS", "TILED_MATMUL", "check_add_bias", "check_count_copies", "check_matmul_bias", "check_row_sum",
-           "check_tiled_matmul"]
+__all__ = ["ADD_BIAS", "COUNT_COPIES", "MATMUL_BIAS", "ROW_SUM", "TILED_MATMUL", "check_add_bias",
+           "check_count_copies", "check_matmul_bias", "check_row_sum", "check_tiled_matmul", "count_copies_solution",
+           "matmul_bias_solution", "row_sum_fixed_solution"]
 Point = tuple[int, ...]
 
 # -- what a pallas_call says about itself ----------------------------------------------------------------------
@@ -334,7 +342,7 @@ def check_matmul_bias(matmul_bias: Callable[..., Any]) -> None:
     rng, name = np.random.default_rng(8), "matmul_bias"
     x, y, bias = jnp.zeros((256, 256), jnp.bfloat16), jnp.zeros((256, 256), jnp.bfloat16), jnp.zeros((1, 256))
     _inspect(name, matmul_bias, 3, x, y, bias, interpret=pltpu.InterpretParams())
-    for case, (m, kk, n) in [("grid (1, 3, 3): X [128, 384] @ Y [384, 384]", (128, 384, 384)),
+    for case, (m, kk, n) in [("grid (1, 2, 3): X [128, 384] @ Y [384, 256]", (128, 384, 256)),  # N != K
                              ("grid (2, 2, 2): X [256, 256] @ Y [256, 256]", (256, 256, 256))]:
         x, y = _ints(rng, (m, kk)), _ints(rng, (kk, n))
         bias = jnp.asarray(rng.integers(1, 4, size=(1, n)), jnp.float32)
@@ -350,9 +358,25 @@ def check_matmul_bias(matmul_bias: Callable[..., Any]) -> None:
                     ", once per k step" if times == steps else "") + ": add it once, in finalize")
         if np.array_equal(got, product):
             raise CheckFailed(f"failed: {name}, case '{case}' — no bias in the output: add bias_ref[...] in finalize")
+        x64, y64 = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        for done in range(1, steps):  # finalize ran after `done` of the k steps, and the later ones never got out
+            if np.array_equal(got, x64[:, :128 * done] @ y64[:128 * done] + np.asarray(bias)):
+                raise CheckFailed(f"failed: {name}, case '{case}' — only the first {done} of the {steps} k steps "
+                                  "reached the output: finalize must run on the last k step, under pl.when(k == "
+                                  "pl.num_programs(2) - 1) (axis 2, the k axis: here the axes have different lengths)")
         _values(name, case, got, product + np.asarray(bias), "x @ y accumulated over k, plus the bias block (0, j) "
                 "(the bias's index map is lambda i, j, k: (0, j))")
-    print("passed: matmul_bias in TPU interpret mode (grids (1, 3, 3) and (2, 2, 2)), bias added once, in the kernel")
+    print("passed: matmul_bias in TPU interpret mode (grids (1, 2, 3) and (2, 2, 2)), bias added once, in the kernel")
+
+
+MATMUL_BIAS = Puzzle("exercise 1: a fused bias", check_matmul_bias, matmul_bias_solution, (
+    "Start from `matmul` and its kernel: the same grid `(M // 128, N // 128, K // 128)`, the same accumulator. The "
+    "bias is a third input; at step `(i, j, k)` the kernel needs the part of it above output block `(i, j)`: a "
+    "`[1, 128]` piece, column block `j`.",
+    "Its spec is `pl.BlockSpec((1, 128), lambda i, j, k: (0, j))`: the bias has a single row of blocks, so the row "
+    "block is 0 whatever `i` and `k` are. The kernel takes `b_ref` after `y_ref`, and in `finalize` writes "
+    "`o_ref[...] = acc_ref[...] + b_ref[...]` (the row broadcasts over the 128 rows): once, not on every `k` step.",
+))
 
 
 def check_count_copies(count_copies: Callable[[Sequence[Point], Callable[..., Point]], int]) -> None:
@@ -383,6 +407,14 @@ def check_count_copies(count_copies: Callable[[Sequence[Point], Callable[..., Po
           "a running sum: that is why k goes last")
 
 
+COUNT_COPIES = Puzzle("exercise 2: count the copies", check_count_copies, count_copies_solution, (
+    "Turn the walk into the sequence of block indices this map asks for, `[index_map(*point) for point in "
+    "visits]`, in the order given (do not sort it: the order is the point).",
+    "The first step copies its block; after that a step copies only when its block differs from the previous "
+    "step's. Compare neighbours with `zip(blocks, blocks[1:])`, count the pairs that differ, and add 1.",
+))
+
+
 def check_row_sum(row_sum_fixed: Callable[..., Any]) -> None:
     """Exercise 3: ``row_sum_fixed(x, interpret=...)``, the row sums ``[M, 1]`` walked in column blocks, in TPU
     interpret mode on two shapes; an axis the output's index map ignores (the reduction) must be 'arbitrary'."""
@@ -407,4 +439,19 @@ def check_row_sum(row_sum_fixed: Callable[..., Any]) -> None:
         _values(name, case, got, np.asarray(x, np.float64).sum(axis=1, keepdims=True),
                 "each row's sum over every column block: zero acc_ref when the column index, pl.program_id(1), is 0 "
                 "(for every row block), and add every column block into it")
+    wide = _inspect(name, row_sum_fixed, 1, jnp.zeros((64, 16384), jnp.float32), interpret=pltpu.InterpretParams())
+    if wide.grid != (8, 128):  # traced, not run: a grid whose counts are right only for small shapes
+        raise CheckFailed(f"failed: {name}, case 'x [64, 16384]' — grid {wide.grid}, expected (8, 128): one step per "
+                          "[8, 128] block of x, grid=(x.shape[0] // 8, x.shape[1] // 128)")
     print("passed: row_sum_fixed in TPU interpret mode (2 shapes): accumulator initialised, column axis 'arbitrary'")
+
+
+ROW_SUM = Puzzle("exercise 3: debug a kernel", check_row_sum, row_sum_fixed_solution, (
+    "One bug is in the kernel, one in the call. The kernel adds into `acc_ref` on every step, but what is in it "
+    "before the first add? (TPU interpret mode fills fresh scratch with NaN.) And grid axis 1, the columns, carries "
+    "the running sum from one step to the next: what does `\"parallel\"` promise about its steps?",
+    "Zero the accumulator under `@pl.when(pl.program_id(1) == 0)`, at the first column block of every row block "
+    "(not `pl.program_id(0)`, the row index). Mark the column axis `\"arbitrary\"`: `dimension_semantics="
+    "(\"parallel\", \"arbitrary\")`, so its steps run in order on one core. The output's index map ignores `j`, "
+    "so its block stays in VMEM across the row.",
+))
