@@ -12,23 +12,22 @@ import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from flashlib.checks import CheckFailed, exercise
+from flashlib.checks import CheckFailed
 from flashlib.exercises import start_here as nb00
 
 # -- exercise 1: scaled_add, a Pallas kernel --------------------------------------------------------------------
 
 
-def _scaled_add(x, y, alpha, interpret, *, grid=None, body=None, index_map=lambda i, j: (i, j)):
+def _scaled_add(x, y, alpha, interpret, *, grid=None, body=None, index_map=lambda i, j: (i, j), block=(8, 128)):
     def kernel(x_ref, y_ref, o_ref):
         o_ref[...] = (body or (lambda a, b: alpha * a + b))(x_ref[...], y_ref[...])
 
-    tile = pl.BlockSpec((8, 128), index_map)
+    tile = pl.BlockSpec(block, index_map)
     return pl.pallas_call(kernel, grid=grid or (x.shape[0] // 8, x.shape[1] // 128), in_specs=[tile, tile],
                           out_specs=tile, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=interpret)(x, y)
 
 
-def scaled_add_solution(x, y, alpha, *, interpret=None):
-    return _scaled_add(x, y, alpha, interpret)
+scaled_add_solution = nb00.scaled_add_solution
 
 
 def scaled_add_notebook_grid(x, y, alpha, *, interpret=None):  # the grid of the notebook's (32, 256) example
@@ -67,6 +66,18 @@ def scaled_add_first_column_only(x, y, alpha, *, interpret=None):  # right grid,
     return _scaled_add(x, y, alpha, interpret, index_map=lambda i, j: (i, 0))
 
 
+def scaled_add_nine_row_blocks(x, y, alpha, *, interpret=None):  # (9, 128) blocks: interpret mode pads (mutant)
+    return _scaled_add(x, y, alpha, interpret, block=(9, 128))
+
+
+def scaled_add_rows_over_seven(x, y, alpha, *, interpret=None):  # x.shape[0] // 7: right up to 48 rows (mutant)
+    return _scaled_add(x, y, alpha, interpret, grid=(x.shape[0] // 7, x.shape[1] // 128))
+
+
+def scaled_add_cols_over_127(x, y, alpha, *, interpret=None):  # x.shape[1] // 127: right below 16256 columns (mutant)
+    return _scaled_add(x, y, alpha, interpret, grid=(x.shape[0] // 8, x.shape[1] // 127))
+
+
 def scaled_add_alpha_in_smem(x, y, alpha, *, interpret=None):  # another valid style: alpha as an SMEM input
     def kernel(alpha_ref, x_ref, y_ref, o_ref):
         o_ref[...] = alpha_ref[0] * x_ref[...] + y_ref[...]
@@ -93,8 +104,8 @@ def _stub(*args, **kwargs):
 
 
 def test_scaled_add_stub_is_not_attempted(capsys):
-    exercise("exercise 1", lambda: _stub, nb00.check_scaled_add)  # as the notebook calls it
-    assert "not attempted yet" in capsys.readouterr().out
+    assert nb00.SCALED_ADD.use(_stub) is nb00.scaled_add_solution  # as the notebook calls it
+    assert "exercise 1: scaled_add: not attempted yet" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("wrong, message", [
@@ -108,6 +119,10 @@ def test_scaled_add_stub_is_not_attempted(capsys):
     (scaled_add_scaling_outside, "arithmetic outside the kernel \\(mul on whole arrays"),
     (scaled_add_first_column_only, "although the grid \\(4, 2\\) has a step per tile: the output's index map sends "
      "several steps to one tile"),
+    (scaled_add_nine_row_blocks, "lowered for TPU .*interpret mode computes the right numbers, but the TPU "
+     "toolchain rejects the kernel: block shape breaks the TPU tiling rule"),
+    (scaled_add_rows_over_seven, "case 'a tall \\(56, 128\\) array.*a block past the array's edge"),
+    (scaled_add_cols_over_127, "case 'a wide \\(8, 16384\\) array.*a block past the array's edge"),
 ])
 def test_scaled_add_wrong_answers_fail_with_their_hint(wrong, message):
     with pytest.raises(CheckFailed, match=message):
@@ -120,12 +135,17 @@ def test_scaled_add_solution_passes(answer, capsys):
     assert capsys.readouterr().out.startswith("passed: scaled_add")
 
 
+def test_scaled_add_exercise_passes_the_solution(capsys):
+    assert nb00.SCALED_ADD.use(nb00.scaled_add_solution) is nb00.scaled_add_solution
+    assert capsys.readouterr().out.splitlines()[-1] == "exercise 1: scaled_add: passed"
+
+
 # -- exercise 2: which block shapes lower ----------------------------------------------------------------------
 
 
 def test_block_prediction_stub_is_not_attempted(capsys):
-    exercise("exercise 2", lambda: _stub(), nb00.check_block_prediction)  # my_answer() raises for None
-    assert "not attempted yet" in capsys.readouterr().out
+    assert nb00.BLOCK_PREDICTION.use(_stub) == nb00.block_prediction_solution()  # the notebook's stub raises
+    assert "exercise 2: which block shapes lower: not attempted yet" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("wrong, message", [
@@ -146,6 +166,8 @@ def test_block_prediction_wrong_answers_fail_with_their_hint(wrong, message):
 def test_block_prediction_solution_passes(capsys):
     nb00.check_block_prediction([[8, 128], (16, 256), (8, 1024), (1024, 1024)])  # lists of lists are fine too
     assert capsys.readouterr().out.startswith("passed: your prediction matches the TPU toolchain")
+    assert nb00.BLOCK_PREDICTION.use(nb00.block_prediction_solution) == {(8, 128), (16, 256), (8, 1024), (1024, 1024)}
+    assert capsys.readouterr().out.splitlines()[-1] == "exercise 2: which block shapes lower: passed"
 
 
 def test_the_truth_is_the_tiling_rule():

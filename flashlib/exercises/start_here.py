@@ -1,9 +1,12 @@
-"""Checkers of notebook 00's exercises: a first Pallas kernel (``scaled_add``), and which block shapes the TPU
-toolchain accepts.
+"""Notebook 00's exercises, each a :class:`~flashlib.exercises.puzzle.Puzzle` (checker, graded hints, solution): a
+first Pallas kernel (:data:`SCALED_ADD`), and which block shapes the TPU toolchain accepts
+(:data:`BLOCK_PREDICTION`, a value answer).
 
 ``scaled_add(x, y, alpha, *, interpret=None)`` runs under :class:`pltpu.InterpretParams` (TPU semantics on the
 CPU: a block index past the array's edge is an error, and output the kernel never writes reads as NaN), on
-shapes other than the notebook's, so a grid copied from the notebook's ``(32, 256)`` example is caught.
+shapes other than the notebook's, so a grid copied from the notebook's ``(32, 256)`` example is caught; then it
+is lowered for TPU, which enforces the ``(8, 128)`` tiling rule that interpret mode does not (a ``(9, 128)``
+block runs there, padded past the edge).
 """
 
 from __future__ import annotations
@@ -19,10 +22,13 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+import flashlib.env
 from flashlib.checks import CheckFailed
+from flashlib.exercises.puzzle import Puzzle
 from flashlib.tpu_compile import lower_for_tpu
 
-__all__ = ["BLOCK_CANDIDATES", "block_lowers", "check_block_prediction", "check_scaled_add"]
+__all__ = ["BLOCK_CANDIDATES", "BLOCK_PREDICTION", "SCALED_ADD", "block_lowers", "block_prediction_solution",
+           "check_block_prediction", "check_scaled_add", "scaled_add_solution"]
 
 
 # -- exercise 1: scaled_add ------------------------------------------------------------------------------------
@@ -32,6 +38,8 @@ _SCALED_ADD_CASES = (
     ("the notebook's (32, 256) arrays, alpha = 0.5", (32, 256), 0.5),
     ("alpha = -2 (a different alpha)", (32, 256), -2.0),
     ("a (16, 384) array, alpha = 3 (a different grid)", (16, 384), 3.0),
+    ("a tall (56, 128) array, alpha = 1.5 (seven row tiles)", (56, 128), 1.5),
+    ("a wide (8, 16384) array, alpha = 1 (128 column tiles)", (8, 16384), 1.0),
 )
 
 
@@ -120,8 +128,47 @@ def check_scaled_add(scaled_add: Callable) -> None:
         got, want = np.asarray(out, np.float64), alpha * np.asarray(x, np.float64) + np.asarray(y, np.float64)
         if not np.allclose(got, want, atol=1e-5):
             raise CheckFailed(f"{where} {_scaled_add_mistake(got, np.asarray(x), np.asarray(y), alpha, grid)}")
+    # Interpret mode lets a block of (9, 128) run, padded past the edge; the TPU's Mosaic lowering does not.
+    spec = jax.ShapeDtypeStruct((16, 384), jnp.float32)
+    lowered = lower_for_tpu(lambda x, y: scaled_add(x, y, 3.0, interpret=False), spec, spec)
+    if not lowered.ok:
+        raise CheckFailed(f"failed: scaled_add, case 'a (16, 384) array, lowered for TPU (interpret=False)' — "
+                          f"interpret mode computes the right numbers, but the TPU toolchain rejects the kernel: "
+                          f"{lowered.summary}; use (8, 128) tiles, as `add` does")
     print(f"passed: scaled_add is a Pallas kernel computing alpha * x + y in all {len(_SCALED_ADD_CASES)} cases "
-          "(another alpha, another grid)")
+          "(another alpha, other grids), and it lowers for TPU")
+
+
+def scaled_add_solution(x, y, alpha, *, interpret=None):
+    def kernel(x_ref, y_ref, o_ref):
+        o_ref[...] = alpha * x_ref[...] + y_ref[...]  # one [8, 128] tile; the kernel closes over alpha
+
+    if interpret is None:  # compiled on a TPU, interpreted anywhere else
+        interpret = flashlib.env.interpret_default()
+    tile = pl.BlockSpec((8, 128), lambda i, j: (i, j))  # grid step (i, j) -> tile (i, j)
+    return pl.pallas_call(
+        kernel,
+        grid=(x.shape[0] // 8, x.shape[1] // 128),  # one step per tile, from x's own shape
+        in_specs=[tile, tile],
+        out_specs=tile,
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        interpret=interpret,
+    )(x, y)
+
+
+SCALED_ADD = Puzzle(
+    "exercise 1: scaled_add",
+    check_scaled_add,
+    scaled_add_solution,
+    (
+        "Start from a copy of `add`: the grid, the `BlockSpec`s and the `interpret` argument stay as they are. "
+        "Only the kernel's one line changes: it computes `alpha * x + y` on its tile.",
+        "The kernel is a function of the refs only, but it can close over `alpha`: define it inside "
+        "`scaled_add`, with `o_ref[...] = alpha * x_ref[...] + y_ref[...]`. Keep "
+        "`grid=(x.shape[0] // 8, x.shape[1] // 128)` (computed from `x`, not the example's `(4, 2)`) and pass "
+        "`interpret=interpret` to `pl.pallas_call`.",
+    ),
+)
 
 
 # -- exercise 2: which block shapes lower ----------------------------------------------------------------------
@@ -181,3 +228,29 @@ def check_block_prediction(prediction: Iterable) -> None:
     if wrong:
         raise CheckFailed("failed: block prediction — " + "; ".join(wrong))
     print(f"passed: your prediction matches the TPU toolchain on all {len(BLOCK_CANDIDATES)} block shapes")
+
+
+def block_prediction_solution():
+    # a block lowers when each of its last two dimensions is divisible by (8, 128) or equals the array's
+    array_rows, array_cols = 1024, 1024
+    candidates = [(8, 128), (16, 256), (8, 1024), (1024, 64), (1024, 1024)]
+
+    def lowers(rows, cols):
+        return (rows % 8 == 0 or rows == array_rows) and (cols % 128 == 0 or cols == array_cols)
+
+    return {block for block in candidates if lowers(*block)}
+
+
+BLOCK_PREDICTION = Puzzle(
+    "exercise 2: which block shapes lower",
+    check_block_prediction,
+    block_prediction_solution,
+    (
+        "The rule is about each of the block's last two dimensions on its own: the rows must be divisible by 8 "
+        "*or* equal the array's rows, the columns divisible by 128 *or* equal the array's columns. How large the "
+        "block is does not matter to the rule (VMEM is another question).",
+        "Go through the five shapes: `(8, 128)`, `(16, 256)` and `(8, 1024)` tile by `(8, 128)`; `(1024, 1024)` "
+        "is the whole array; `(1024, 64)` has 64 columns, neither a multiple of 128 nor the array's 1024.",
+    ),
+    answer_is_value=True,
+)
