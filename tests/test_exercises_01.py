@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flashlib.checks import CheckFailed, exercise
+from flashlib.checks import CheckFailed
 from flashlib.exercises import softmax as nb01
 
 
@@ -170,7 +170,10 @@ def test_the_all_masked_row_contract_is_flashlibs():
 # -- exercise 1: my_attention, stable, in plain jnp ------------------------------------------------------------
 
 
-def my_attention_solution(q, k, v):
+my_attention_solution = nb01.my_attention_solution
+
+
+def my_attention_through_stable_softmax(q, k, v):  # another valid style: the learner's stable_softmax of puzzle 2
     return nb01.stable_softmax_solution(q @ k.T / jnp.sqrt(q.shape[-1])) @ v
 
 
@@ -183,8 +186,8 @@ def my_attention_scaled_by_d(q, k, v):
 
 
 def test_my_attention_stub_is_not_attempted(capsys):
-    exercise("exercise 1", lambda: _stub, nb01.check_my_attention)
-    assert "not attempted yet" in capsys.readouterr().out
+    assert nb01.MY_ATTENTION.use(_stub) is nb01.my_attention_solution  # as the notebook calls it
+    assert "exercise 1: attention in three lines, your way: not attempted yet" in capsys.readouterr().out
 
 
 def my_attention_jax_softmax(q, k, v):  # right numbers, but the exercise is plain jnp
@@ -211,19 +214,21 @@ def test_my_attention_wrong_answers_fail_with_their_hint(wrong, message):
 
 @pytest.mark.parametrize("valid", [
     my_attention_solution,
+    my_attention_through_stable_softmax,
     lambda q, k, v: softmax_logsumexp(q @ k.T / jnp.sqrt(q.shape[-1])) @ v,  # error ~1e-5 at scores in the hundreds
 ])
 def test_my_attention_solution_passes(valid, capsys):
-    nb01.check_my_attention(valid)
-    assert capsys.readouterr().out.startswith("passed: my_attention")
+    assert nb01.MY_ATTENTION.use(valid) is valid
+    out = capsys.readouterr().out
+    assert out.startswith("passed: my_attention") and out.endswith("attention in three lines, your way: passed\n")
 
 
 # -- exercise 2: bytes of the score matrix ---------------------------------------------------------------------
 
 
 def test_score_matrix_bytes_stub_is_not_attempted(capsys):
-    exercise("exercise 2", lambda: _stub, nb01.check_score_matrix_bytes)
-    assert "not attempted yet" in capsys.readouterr().out
+    assert nb01.SCORE_MATRIX_BYTES.use(_stub) is nb01.score_matrix_bytes_solution
+    assert "exercise 2: bytes of the score matrix: not attempted yet" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("wrong, message", [
@@ -241,8 +246,9 @@ def test_score_matrix_bytes_wrong_answers_fail_with_their_hint(wrong, message):
 
 
 def test_score_matrix_bytes_solution_passes(capsys):
-    nb01.check_score_matrix_bytes(lambda n, dtype: n * n * np.dtype(dtype).itemsize)
-    assert capsys.readouterr().out.startswith("passed: score_matrix_bytes")
+    assert nb01.SCORE_MATRIX_BYTES.use(nb01.score_matrix_bytes_solution) is nb01.score_matrix_bytes_solution
+    out = capsys.readouterr().out
+    assert out.startswith("passed: score_matrix_bytes") and out.endswith("bytes of the score matrix: passed\n")
 
 
 # -- exercise 3: the previous-token head -----------------------------------------------------------------------
@@ -258,8 +264,8 @@ def heads():
 
 
 def test_previous_token_head_stub_is_not_attempted(capsys):
-    exercise("exercise 3", lambda: _stub(), nb01.check_previous_token_head)  # my_head() raises for None
-    assert "not attempted yet" in capsys.readouterr().out
+    assert nb01.PREVIOUS_TOKEN_HEAD.use(_stub) == nb01.previous_token_head_solution()  # the notebook's stub raises
+    assert "exercise 3: a previous-token head: not attempted yet" in capsys.readouterr().out
 
 
 def test_previous_token_head_wrong_answers_fail_with_their_hint(heads):
@@ -285,3 +291,6 @@ def test_previous_token_head_solution_passes(heads, capsys):
     data, best, _ = heads
     nb01.check_previous_token_head(list(best), data)
     assert capsys.readouterr().out.startswith("passed: the previous-token head")
+    assert nb01.previous_token_head_solution() == best
+    assert nb01.PREVIOUS_TOKEN_HEAD.use(lambda: best) == best  # the checker loads the data itself
+    assert capsys.readouterr().out.endswith("exercise 3: a previous-token head: passed\n")

@@ -1,5 +1,6 @@
-"""Notebook 01's puzzles and exercise checkers: attention in three lines, the numerically stable softmax, a stable
-attention of the learner's own, the bytes of a score matrix, and the previous-token head of a real model.
+"""Notebook 01's puzzles and exercises: attention in three lines, the numerically stable softmax, a stable
+attention of the learner's own, the bytes of a score matrix, and the previous-token head of a real model (their
+solutions are in :mod:`flashlib.exercises.softmax_solutions`).
 
 The softmax contract (puzzle :data:`STABLE_SOFTMAX`): ``stable_softmax(x, axis=-1)`` has ``x``'s shape and
 dtype and sums to 1 along ``axis``; an entry of ``-inf`` (a masked key) gets weight exactly 0; a slice whose
@@ -22,9 +23,19 @@ import numpy as np
 from flashlib import checks
 from flashlib.checks import CheckFailed
 from flashlib.exercises.puzzle import Puzzle
+from flashlib.exercises.softmax_solutions import (
+    attention_solution,
+    my_attention_solution,
+    previous_token_head_solution,
+    score_matrix_bytes_solution,
+    stable_softmax_solution,
+)
 
 __all__ = [
     "ATTENTION",
+    "MY_ATTENTION",
+    "PREVIOUS_TOKEN_HEAD",
+    "SCORE_MATRIX_BYTES",
     "STABLE_SOFTMAX",
     "attention_solution",
     "check_attention_three_lines",
@@ -32,17 +43,14 @@ __all__ = [
     "check_previous_token_head",
     "check_score_matrix_bytes",
     "check_stable_softmax",
+    "my_attention_solution",
+    "previous_token_head_solution",
+    "score_matrix_bytes_solution",
     "stable_softmax_solution",
 ]
 
 
 # -- puzzle 1: attention in three lines ------------------------------------------------------------------------
-
-
-def attention_solution(q, k, v):
-    s = q @ k.T / jnp.sqrt(q.shape[-1])  # [N, M]  scores
-    p = jax.nn.softmax(s, axis=-1)  # [N, M]  each row sums to 1
-    return p @ v  # [N, d]  weighted average of value rows
 
 
 def _qkv(n: int, m: int, d: int, seed: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -142,14 +150,6 @@ ATTENTION = Puzzle(
 
 
 # -- puzzle 2: the stable softmax ------------------------------------------------------------------------------
-
-
-def stable_softmax_solution(x, axis=-1):
-    m = jnp.max(x, axis=axis, keepdims=True)  # the row maximum, kept as an axis so it broadcasts back
-    m = jnp.where(jnp.isfinite(m), m, 0.0)  # a row of only -inf: exponentiate against 0 (exp(-inf) = 0)
-    e = jnp.exp(x - m)  # every exponent <= 0: no overflow
-    total = jnp.sum(e, axis=axis, keepdims=True)  # >= 1, except for a row of only -inf (0)
-    return e / jnp.where(total == 0.0, 1.0, total)  # that row stays 0 instead of 0 / 0 = NaN
 
 
 def _softmax_cases() -> list[tuple[str, jax.Array, int, str]]:
@@ -267,6 +267,20 @@ def check_my_attention(my_attention: Callable) -> None:
     print(f"passed: my_attention matches the float64 oracle in all {count} cases, scores in the hundreds included")
 
 
+MY_ATTENTION = Puzzle(
+    "exercise 1: attention in three lines, your way",
+    check_my_attention,
+    my_attention_solution,
+    (
+        "The same three lines as puzzle 1, with the softmax written out as puzzle 2 taught it: subtract each "
+        "row's maximum from the scores before `exp`, so no exponent is positive and nothing overflows.",
+        "`s = q @ k.T / jnp.sqrt(q.shape[-1])`; `e = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True))`; then "
+        "`e / jnp.sum(e, axis=-1, keepdims=True) @ v` (or `stable_softmax(s) @ v` with your own "
+        "`stable_softmax`).",
+    ),
+)
+
+
 _BYTES_CASES = (
     ("a single float32 score", 1, jnp.float32),
     ("N = 1024, float32", 1024, jnp.float32),
@@ -308,6 +322,18 @@ def check_score_matrix_bytes(score_matrix_bytes: Callable[[int, Any], Any]) -> N
         raise CheckFailed(f"{where} n x n entries of np.dtype(dtype).itemsize bytes each")
     print(f"passed: score_matrix_bytes in all {len(_BYTES_CASES)} cases, up to 8 GiB for one bfloat16 head at "
           "N = 65536")
+
+
+SCORE_MATRIX_BYTES = Puzzle(
+    "exercise 2: bytes of the score matrix",
+    check_score_matrix_bytes,
+    score_matrix_bytes_solution,
+    (
+        "The matrix has `n × n` entries, and each entry takes as many bytes as one element of `dtype`: 4 for "
+        "float32, 2 for bfloat16. Ask NumPy rather than assuming a size.",
+        "`n * n * np.dtype(dtype).itemsize`, in Python ints (a `jnp` array is int32 and overflows past 2 GiB).",
+    ),
+)
 
 
 def _mean_offset_attention(data, offset: int) -> dict[tuple[int, int], float]:
@@ -353,3 +379,18 @@ def check_previous_token_head(answer, data=None) -> None:
         raise CheckFailed(f"{where} is the best head's (head, layer): answer (layer, head)")
     raise CheckFailed(f"{where} scores {scores[(layer, head)]:.0%}; one head does better: average "
                       "probs[i, i - 1] over i >= 1 of every sentence for every (layer, head), and take the largest")
+
+
+PREVIOUS_TOKEN_HEAD = Puzzle(
+    "exercise 3: a previous-token head",
+    check_previous_token_head,
+    previous_token_head_solution,
+    (
+        "Score every head, all `6 × 12` of them: for each `(layer, head)`, average the entries `[i, i - 1]` of "
+        "its map over every query `i ≥ 1` of every sentence, then take the head with the largest average.",
+        "`data.model_attention(layer, sentence=s)[0, head]` is that head's `[L, L]` map; its entries "
+        "`[i, i - 1]` are the diagonal just below the main one, `np.diagonal(probs, offset=-1)`. Keep the "
+        "averages in a dict keyed by `(layer, head)` and answer `max(share, key=share.get)`.",
+    ),
+    answer_is_value=True,
+)
