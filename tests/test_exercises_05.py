@@ -24,12 +24,12 @@ def _stub(*args, **kwargs):
 
 
 def _add_bias(tile_map, bias_map, grid_rows_outside=False, out_map=None, bias_block=(1, 128), grid=None,
-              broadcast=False, tile=(8, 128), row_block=8):
+              broadcast=False, tile=(8, 128), row_block=8, col_block=128):
     def add_bias(x, b, *, interpret=True):
         def kernel(x_ref, b_ref, o_ref):
             o_ref[...] = x_ref[...] + b_ref[...]
 
-        rows, cols = x.shape[0] // row_block, x.shape[1] // 128
+        rows, cols = x.shape[0] // row_block, x.shape[1] // col_block
         return pl.pallas_call(kernel, grid=grid or ((rows, cols) if grid_rows_outside else (cols, rows)),
                               in_specs=[pl.BlockSpec(tile, tile_map), pl.BlockSpec(bias_block, bias_map)],
                               out_specs=pl.BlockSpec(tile, out_map or tile_map),
@@ -70,6 +70,9 @@ def test_add_bias_stub_falls_back_to_the_solution(capsys):
      r"case 'x \[64, 128\]: 8 row blocks.*outside its array \(64, 128\)"),
     (_add_bias(lambda j, i: (i, j), lambda j, i: (i, j), bias_block=(8, 128), broadcast=True),
      r"kernel inputs of shapes \[\(16, 384\), \(16, 384\)\], expected one pallas_call taking the 2 arrays given, as"),
+    # the column count by // 127: right for every width below 127 x 128 columns, traced at 16,384
+    (_add_bias(lambda j, i: (i, j), lambda j, i: (0, j), col_block=127),
+     r"case 'x \[16, 16384\]' — grid \(129, 2\), expected \(128, 2\)"),
 ])
 def test_add_bias_wrong_answers_fail_with_their_hint(wrong, message):
     with pytest.raises(CheckFailed, match=message):

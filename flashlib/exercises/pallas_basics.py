@@ -185,6 +185,11 @@ def check_add_bias(add_bias: Callable[..., Any]) -> None:
         raise CheckFailed(f"failed: add_bias — b's block is copied {copies} times for its {blocks} different "
                           "blocks (a copy each time its index changes from the previous step): put the column axis "
                           "outside, grid (N // 128, M // 8), so that b's index stays the same for the inner steps")
+    wide = _inspect("add_bias", add_bias, 2, jnp.zeros((16, 16384), jnp.float32), jnp.zeros((1, 16384), jnp.float32),
+                    interpret=pltpu.InterpretParams())
+    if wide.grid != (128, 2):  # traced, not run: a grid whose counts are right only for narrow x
+        raise CheckFailed(f"failed: add_bias, case 'x [16, 16384]' — grid {wide.grid}, expected (128, 2): one step per "
+                          "[8, 128] block of x, grid=(x.shape[1] // 128, x.shape[0] // 8)")
     print("passed: add_bias in TPU interpret mode (4 shapes), lowers for TPU, each block of b copied once")
 
 
