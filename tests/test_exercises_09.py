@@ -13,7 +13,7 @@ import pytest
 from jax import lax
 from jax.experimental import pallas as pl
 
-from flashlib.checks import CheckFailed, exercise
+from flashlib.checks import CheckFailed
 from flashlib.exercises import variants as nb09
 from flashlib.exercises.variants_solutions import NT_DIMS
 
@@ -186,8 +186,10 @@ def test_block_kind_solution_and_an_element_wise_rewrite_pass(capsys):
 
 # -- exercise 1: a window's compacted grid ---------------------------------------------------------------------------
 def test_window_grid_stub_is_not_attempted(capsys):
-    exercise("exercise 1", _stub, nb09.check_window_grid)
-    assert "not attempted yet" in capsys.readouterr().out
+    def my_grid():
+        raise NotImplementedError  # as the notebook's stub
+    assert nb09.WINDOW_GRID.use(my_grid) == (3, 20)  # the solution's value
+    assert "exercise 1: a window's grid: not attempted yet" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("wrong, message", [
@@ -200,17 +202,24 @@ def test_window_grid_stub_is_not_attempted(capsys):
 def test_window_grid_wrong_answers_fail_with_their_hint(wrong, message):
     with pytest.raises(CheckFailed, match=message):
         nb09.check_window_grid(wrong)
+    assert nb09.WINDOW_GRID.use(lambda: wrong) == (3, 20)
 
 
 def test_window_grid_solution_passes(capsys):
-    nb09.check_window_grid((3, 20))
-    assert capsys.readouterr().out.startswith("passed: 3 kv steps per query block instead of 8, 20 k block copies")
+    assert nb09.WINDOW_GRID.solution() == (3, 20)
+    assert nb09.WINDOW_GRID.use(nb09.WINDOW_GRID.solution) == (3, 20)  # the function, as the notebook passes it
+    assert nb09.WINDOW_GRID.use((3, 20)) == (3, 20)  # or the value itself
+    out = capsys.readouterr().out
+    assert out.startswith("passed: 3 kv steps per query block instead of 8, 20 k block copies")
+    assert out.count("exercise 1: a window's grid: passed") == 2
 
 
 # -- exercise 2: a sink's weight -------------------------------------------------------------------------------------
 def test_sink_weight_stub_is_not_attempted(capsys):
-    exercise("exercise 2", lambda: _stub, nb09.check_sink_weight)
-    assert "not attempted yet" in capsys.readouterr().out
+    def sink_weight(scores, sink):
+        raise NotImplementedError  # your code here
+    assert nb09.SINK_WEIGHT.use(sink_weight) is nb09.sink_weight_solution  # as the notebook runs it
+    assert "exercise 2: a sink's weight: not attempted yet" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("wrong, message", [
@@ -224,8 +233,9 @@ def test_sink_weight_wrong_answers_fail_with_their_hint(wrong, message):
 
 
 def test_sink_weight_solution_passes(capsys):
-    nb09.check_sink_weight(nb09.sink_weight_solution)
-    assert capsys.readouterr().out.startswith("passed: sink_weight on all 4 rows")
+    assert nb09.SINK_WEIGHT.use(nb09.sink_weight_solution) is nb09.sink_weight_solution
+    out = capsys.readouterr().out
+    assert out.startswith("passed: sink_weight on all 4 rows") and "exercise 2: a sink's weight: passed" in out
 
 
 # -- puzzle 3: a soft-cap and a sink in the kernel --------------------------------------------------------------------

@@ -31,10 +31,11 @@ from flashlib.exercises.variants_solutions import (
     flash_kernel_variants_solution,
     sink_weight_solution,
     visible_solution,
+    window_grid_solution,
 )
 
-__all__ = ["BLOCK_KIND", "KERNEL_VARIANTS", "VISIBLE", "check_block_kind", "check_kernel_variants",
-           "check_sink_weight", "check_visible", "check_window_grid", "variants_call"]
+__all__ = ["BLOCK_KIND", "KERNEL_VARIANTS", "SINK_WEIGHT", "VISIBLE", "WINDOW_GRID", "check_block_kind",
+           "check_kernel_variants", "check_sink_weight", "check_visible", "check_window_grid", "variants_call"]
 
 
 # -- puzzle 1: the element rule ---------------------------------------------------------------------------------
@@ -389,6 +390,23 @@ def check_window_grid(answer, tokens: int = 256, block: int = 32, window=(63, 0)
     print(f"passed: {steps} kv steps per query block instead of {num_kv}, {copies} k block copies")
 
 
+WINDOW_GRID = Puzzle(
+    "exercise 1: a window's grid",
+    check_window_grid,
+    window_grid_solution,
+    (
+        "Query block `i` holds rows `32 i` to `32 i + 31`; with `window=(63, 0)` row `r` sees keys `r - 63` to "
+        "`r`. So it needs the key blocks from `max(first row - 63, 0) // 32` to `last row // 32`. After "
+        "compaction every query block gets as many kv steps as the longest of these ranges.",
+        "Pallas copies a k block whenever the block index fetched differs from the step before's, across query "
+        "blocks too (the grid runs them one after another). Step `s` of a query block fetches `first + s`, "
+        "clamped to its `last`: list the fetched indices in grid order and count the changes, plus one for the "
+        "very first step.",
+    ),
+    answer_is_value=True,
+)
+
+
 # -- exercise 2: the weight a sink takes --------------------------------------------------------------------------
 _SINK_CASES = [("scores [1, 2, 3], sink 0", [1.0, 2.0, 3.0], 0.0), ("one key, sink equal to its score", [0.5], 0.5),
                ("large scores [800, 801], sink 799", [800.0, 801.0], 799.0),
@@ -414,3 +432,16 @@ def check_sink_weight(sink_weight: Callable) -> None:
         raise CheckFailed(f"failed: sink_weight, case '{words}' — {hint}")
     print(f"passed: sink_weight on all {len(_SINK_CASES)} rows, large logits included")
 
+
+SINK_WEIGHT = Puzzle(
+    "exercise 2: a sink's weight",
+    check_sink_weight,
+    sink_weight_solution,
+    (
+        "The sink is one more logit in the row's softmax, a key that carries no value: its weight is "
+        "`exp(sink) / (exp(sink) + sum of exp(scores))`. Written like that it overflows for scores in the hundreds.",
+        "Shift every logit by the largest one, the sink included: `m = max(scores.max(), sink)`, then "
+        "`exp(sink - m) / (exp(sink - m) + np.sum(np.exp(scores - m)))`. The shift cancels, and every `exp` is at "
+        "most 1.",
+    ),
+)

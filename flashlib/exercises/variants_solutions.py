@@ -1,8 +1,8 @@
 """The teaching solutions of notebook 09's puzzles and exercises (the element rule of window + causal +
-segments; a block's kind under a window; notebook 06's forward kernel with a soft-cap and a sink; the weight a
-sink takes),
-kept apart from their checkers in :mod:`flashlib.exercises.variants`. Their source is what the notebook's
-hint cells show (``notebooks/make_hint_cells.py``)."""
+segments; a block's kind under a window; notebook 06's forward kernel with a soft-cap and a sink; a window's
+compacted grid and its copies; the weight a sink takes), kept apart from their checkers in
+:mod:`flashlib.exercises.variants`. Their source is what the notebook's hint cells show
+(``notebooks/make_hint_cells.py``)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 __all__ = ["NT_DIMS", "block_kind_solution", "flash_kernel_variants_solution", "sink_weight_solution",
-           "visible_solution"]
+           "visible_solution", "window_grid_solution"]
 
 NT_DIMS = (((1,), (1,)), ((), ()))  # [m, d] x [n, d] -> [m, n]: q @ k.T without a transpose
 
@@ -51,6 +51,19 @@ def block_kind_solution(q_block, kv_block, *, block_q, block_k, q_len, kv_len, c
     if left is not None and first_key < last_row + offset - left:
         return "mask"
     return "plain"
+
+
+def window_grid_solution():
+    tokens, block, left = 256, 32, 63  # window=(63, 0): row r sees keys r - 63 to r (causal); 32 x 32 blocks
+    ranges = []  # each query block's live key blocks: from its first row's left edge to its last row
+    for q_block in range(tokens // block):
+        first_row, last_row = q_block * block, (q_block + 1) * block - 1
+        ranges.append((max(first_row - left, 0) // block, last_row // block))
+    steps = max(last - first + 1 for first, last in ranges)  # the compacted kv grid: the longest range
+    # step s of a query block fetches block first + s, clamped to its range (a step past it repeats the last)
+    fetched = [min(first + s, last) for first, last in ranges for s in range(steps)]
+    copies = 1 + sum(a != b for a, b in zip(fetched[:-1], fetched[1:], strict=True))  # a new index: a copy
+    return steps, copies
 
 
 def sink_weight_solution(scores, sink):
