@@ -9,7 +9,7 @@ import functools
 import jax.numpy as jnp
 import pytest
 
-from flashlib.checks import CheckFailed, exercise
+from flashlib.checks import CheckFailed
 from flashlib.exercises import scaling_out as nb11
 
 
@@ -99,8 +99,10 @@ def test_ring_step_solution_passes(capsys):
 
 
 def test_imbalance_stub_is_not_attempted(capsys):
-    exercise("exercise 1", lambda: _stub, nb11.check_contiguous_imbalance)
-    assert "not attempted yet" in capsys.readouterr().out
+    def contiguous_imbalance(n):
+        raise NotImplementedError  # your code here: return a number
+    assert nb11.CONTIGUOUS_IMBALANCE.use(contiguous_imbalance) is nb11.contiguous_imbalance_solution
+    assert "exercise 1: the price of contiguous chunks: not attempted yet" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("wrong", [lambda n: 2.0, lambda n: n / 2, lambda n: (n + 1) / n])
@@ -109,9 +111,12 @@ def test_imbalance_wrong_answers_fail(wrong):
         nb11.check_contiguous_imbalance(wrong)
 
 
-def test_imbalance_solution_passes(capsys):
-    nb11.check_contiguous_imbalance(lambda n: 2 - 1 / n)
-    assert "passed: contiguous_imbalance" in capsys.readouterr().out
+@pytest.mark.parametrize("answer", [nb11.contiguous_imbalance_solution, lambda n: 2 - 1 / n],
+                         ids=["solution", "the formula simplified"])
+def test_imbalance_solution_passes(answer, capsys):
+    assert nb11.CONTIGUOUS_IMBALANCE.use(answer) is answer
+    out = capsys.readouterr().out
+    assert "passed: contiguous_imbalance" in out and "exercise 1: the price of contiguous chunks: passed" in out
 
 
 # -- 11 puzzle: the zig-zag assignment ------------------------------------------------------------------

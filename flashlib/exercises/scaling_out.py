@@ -5,7 +5,7 @@ the key/value chunk that just arrived into the running ``(out, lse)`` (notebook 
 normalised outputs and log-sum-exps); :data:`ZIGZAG_CHUNKS`, which two of the ``2n`` chunks device ``i`` holds
 under the zig-zag assignment; :data:`CAUSAL_PAIRS`, which chunk pairs a device computes in full, as the causal
 diagonal, or skips at each ring step. Exercise: the causal
-imbalance of a ring with contiguous chunks, as a formula in the ring size (:func:`check_contiguous_imbalance`).
+imbalance of a ring with contiguous chunks, as a formula in the ring size (:data:`CONTIGUOUS_IMBALANCE`).
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from flashlib.exercises.puzzle import Puzzle
 from flashlib.reference import attention_oracle
 from flashlib.ring import DIAGONAL, FULL, SKIP, RingPlan, chunks_of_device, ring_schedule, to_ring_order
 
-__all__ = ["CAUSAL_PAIRS", "RING_STEP", "ZIGZAG_CHUNKS", "causal_pairs_solution", "check_causal_pairs",
-           "check_contiguous_imbalance", "check_ring_step", "check_zigzag_chunks", "ring_step_solution", "run_ring",
-           "zigzag_chunks_solution"]
+__all__ = ["CAUSAL_PAIRS", "CONTIGUOUS_IMBALANCE", "RING_STEP", "ZIGZAG_CHUNKS", "causal_pairs_solution",
+           "check_causal_pairs", "check_contiguous_imbalance", "check_ring_step", "check_zigzag_chunks",
+           "contiguous_imbalance_solution", "ring_step_solution", "run_ring", "zigzag_chunks_solution"]
 
 
 def ring_step_solution(out, lse, q, k, v, scale):
@@ -160,6 +160,23 @@ def check_contiguous_imbalance(imbalance: Callable[[int], Any]) -> None:
                 "each later step has some device with a whole pair; the total work is n^2 / 2 pairs, so the ideal "
                 "time is n / 2")
     print("passed: contiguous_imbalance(n) matches the counted schedule for n = 1, 2, 3, 4, 8, 16")
+
+
+def contiguous_imbalance_solution(n):
+    # each step lasts as long as its busiest device (a chunk pair is one unit of time, a diagonal pair half)
+    time = 0.5 + (n - 1)  # step 0: every device its own diagonal; each later step: some device a whole pair
+    ideal = (n * n / 2) / n  # the causal half of the n x n chunk pairs, shared evenly by the n devices
+    return time / ideal
+
+
+CONTIGUOUS_IMBALANCE = Puzzle("exercise 1: the price of contiguous chunks", check_contiguous_imbalance,
+                              contiguous_imbalance_solution, (
+    "Count in chunk pairs (a diagonal pair counts half). A step lasts as long as its busiest device. At step 0 "
+    "every device computes its own diagonal; at each later step the device holding the last chunk computes a "
+    "whole pair (every kv chunk that reaches it lies in its past).",
+    "The ring takes `0.5 + (n - 1)` pairs of time. The work is the causal half of the `n x n` pairs, `n^2 / 2`; "
+    "shared evenly by `n` devices it would take `n / 2`. The imbalance is the ratio of the two.",
+))
 
 
 # -- zig-zag: which chunks a device holds -----------------------------------------------------------------
