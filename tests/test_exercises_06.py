@@ -10,7 +10,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from flashlib import cost
-from flashlib.checks import CheckFailed, exercise
+from flashlib.checks import CheckFailed
 from flashlib.exercises import flash_kernel as nb06
 from flashlib.exercises.flash_kernel_solutions import NT_DIMS
 from flashlib.geometry import MASK_VALUE
@@ -193,8 +193,8 @@ def test_causal_alternative_passes(capsys):  # -inf for MASK_VALUE (every row se
 
 
 def test_softcap_stub_is_not_attempted(capsys):
-    exercise("exercise 1", lambda: _stub, nb06.check_softcap)
-    assert "not attempted yet" in capsys.readouterr().out
+    assert nb06.SOFTCAP.use(_stub) is nb06.flash_kernel_softcap_solution
+    assert "exercise 1: softcapping: not attempted yet" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("wrong, message", [
@@ -203,23 +203,28 @@ def test_softcap_stub_is_not_attempted(capsys):
     (_kernel(cap="no factor"), "multiply it by cap"),
     (_kernel(cap="fixed", fixed_cap=2.0), "case '64 queries, 384 keys, cap 1' — this is the cap 2 of the case before"),
     (_kernel(cap="clip"), "the scores are clipped to \\[-cap, cap\\]"),
-], ids=["no cap", "before scale", "no factor", "cap hard-coded", "clipped"])
+    # a mutant of the solution (tests/mutants.py): m started at 0, harmless while the cap keeps scores near 0
+    (_kernel(cap="after scale", m0=0.0), "case '64 queries, 128 keys, cap 200, every score far below zero' — NaN in "
+                                         "the output: the running max m starts at 0"),
+], ids=["no cap", "before scale", "no factor", "cap hard-coded", "clipped", "m starts at 0"])
 def test_softcap_wrong_answers_fail_with_their_hint(wrong, message):
     with pytest.raises(CheckFailed, match=message):
         nb06.check_softcap(wrong)
 
 
 def test_softcap_solution_passes(capsys):
-    nb06.check_softcap(_kernel(cap="after scale"))
-    assert capsys.readouterr().out.startswith("passed: softcapped kernel")
+    assert nb06.SOFTCAP.use(nb06.flash_kernel_softcap_solution) is nb06.flash_kernel_softcap_solution
+    out = capsys.readouterr().out
+    assert out.startswith("passed: softcapped kernel") and "exercise 1: softcapping: passed" in out
+    nb06.check_softcap(_kernel(cap="after scale"))  # the right kernel, written another way
 
 
 # -- exercise 2: counting ------------------------------------------------------------------------------------
 
 
 def test_counts_stub_is_not_attempted(capsys):
-    exercise("exercise 2", _stub, nb06.check_counts)
-    assert "not attempted yet" in capsys.readouterr().out
+    assert nb06.COUNTS.use(_stub) == (12, 18)
+    assert "exercise 2: count the skipped blocks: not attempted yet" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("wrong, message", [
@@ -234,8 +239,12 @@ def test_counts_wrong_answers_fail_with_their_hint(wrong, message):
 
 
 def test_counts_solution_passes(capsys):
-    nb06.check_counts((12, 18))
-    assert capsys.readouterr().out.startswith("passed: 12 of 32 steps skipped, 18 k block copies")
+    assert nb06.counts_solution() == (12, 18)
+    nb06.COUNTS.use(nb06.counts_solution)
+    out = capsys.readouterr().out
+    assert out.startswith("passed: 12 of 32 steps skipped, 18 k block copies") and "passed" in out.splitlines()[-1]
+    nb06.COUNTS.use((12, 18))  # the value itself, worked out on paper
+    assert "count the skipped blocks: passed" in capsys.readouterr().out
 
 
 # -- exercise 3: blocks under a VMEM budget ----------------------------------------------------------------------
@@ -265,7 +274,8 @@ def test_budget_wrong_answers_fail_with_their_hint(wrong, message):
 
 
 def test_budget_stub_is_not_attempted_and_the_solution_passes(capsys):
-    exercise("exercise 3", lambda: _stub, nb06.check_budget)
-    assert "not attempted yet" in capsys.readouterr().out
-    nb06.check_budget(_picker(order=lambda b: (b[0] * b[1], b[0])))
-    assert capsys.readouterr().out.startswith("passed: the biggest blocks that fit")
+    assert nb06.BUDGET.use(_stub) is nb06.pick_blocks_solution
+    assert "exercise 3: fit a budget: not attempted yet" in capsys.readouterr().out
+    nb06.BUDGET.use(nb06.pick_blocks_solution)
+    out = capsys.readouterr().out
+    assert out.startswith("passed: the biggest blocks that fit") and "fit a budget: passed" in out

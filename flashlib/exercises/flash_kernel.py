@@ -27,16 +27,19 @@ from flashlib import cost
 from flashlib.checks import CheckFailed, check_attention
 from flashlib.exercises.flash_kernel_solutions import (
     causal_kv_index_map_solution,
+    counts_solution,
     flash_kernel_causal_solution,
+    flash_kernel_softcap_solution,
     flash_kernel_solution,
+    pick_blocks_solution,
 )
 from flashlib.exercises.puzzle import Puzzle
 from flashlib.exercises.start_here import traced_eqns
 from flashlib.kernels import BlockSizes
 from flashlib.kernels.block_sizes import MIB, vmem_limit_bytes
 
-__all__ = ["CAUSAL_SKIPPING", "FORWARD_KERNEL", "check_budget", "check_causal", "check_counts",
-           "check_forward_kernel", "check_softcap"]
+__all__ = ["BUDGET", "CAUSAL_SKIPPING", "COUNTS", "FORWARD_KERNEL", "SOFTCAP", "check_budget", "check_causal",
+           "check_counts", "check_forward_kernel", "check_softcap"]
 
 
 # -- running a kernel the way the notebook's flash_call does, under TPU interpret semantics --------------------
@@ -367,9 +370,33 @@ def check_softcap(kernel: Callable) -> None:
             (_softmax_out(np.clip(_scores64(q, k), -cap, cap), v), "the scores are clipped to [-cap, cap]: the "
              "softcap is smooth, cap * tanh(s / cap)"),
         ], "the output is not softcapped attention (compared with a float64 reference)")
-    print(f"passed: softcapped kernel matches the float64 reference (caps 2 and 1) in all {len(_SOFTCAP_CASES)} "
-          "cases")
+    # A large cap keeps large scores: every scaled score near -150 (q near -3, k near 9), about -129 once capped
+    # at 200. exp(s - m) underflows to 0 for every key unless m is the row's maximum (m starting at -inf).
+    q, k, v = _qkv(10 + len(_SOFTCAP_CASES), 64, 128)
+    q, k, case = -3.0 + 0.2 * q, 9.0 + 0.2 * k, "64 queries, 128 keys, cap 200, every score far below zero"
+    out = _call(functools.partial(kernel, cap=200.0), q, k, v, block_q=64, block_k=128)
+    if not _near(out, _softmax_out(_scores64(q, k, 200.0), v), jnp.float32):
+        _diagnose("softcapped kernel", case, out, jnp.float32, "NaN in the output: the running max m starts at 0, "
+                  "not -inf? A large cap keeps scores near -130, exp(s - 0) underflows to 0 for every key and l "
+                  "stays 0: start m at -inf, so the first block's maximum replaces it", [],
+                  "the output is not softcapped attention (compared with a float64 reference)")
+    print(f"passed: softcapped kernel matches the float64 reference (caps 2, 1 and 200) in all "
+          f"{len(_SOFTCAP_CASES) + 1} cases")
 
+
+SOFTCAP = Puzzle(
+    "exercise 1: softcapping",
+    check_softcap,
+    flash_kernel_softcap_solution,
+    (
+        "Start from your `flash_kernel`: init, the online update and finalize stay as they are. The cap changes "
+        "only the scores, once they are scaled and before anything reads them: `m_next`, `p` and the sums then "
+        "see capped scores.",
+        "Right after `s = lax.dot_general(...) * scale`, add `s = cap * jnp.tanh(s / cap)`, with the kernel's "
+        "`cap` argument (the checker passes 2, 1 and 200). Capped scores lie in `(-cap, cap)`: `tanh` alone would "
+        "squash them into `(-1, 1)`, and `jnp.clip` is a hard cap, not the smooth one.",
+    ),
+)
 
 
 # -- exercise 2: count the skipped steps and the copies --------------------------------------------------------
@@ -393,6 +420,22 @@ def check_counts(answer, tokens: int = 1024, block_q: int = 128, block_k: int = 
                 }.get(copies, "Pallas copies when the block index differs from the step before's")
         raise CheckFailed(f"{name} — {copies} copies is wrong: {hint}")
     print(f"passed: {skipped} of {total} steps skipped, {copies} k block copies instead of {total}")
+
+
+COUNTS = Puzzle(
+    "exercise 2: count the skipped blocks",
+    check_counts,
+    counts_solution,
+    (
+        "Walk the grid in order, query block `i` outer, key block `j` inner. Query block `i` sees key blocks `0` "
+        "to `last = ((i + 1) * block_q - 1) // block_k` (the block of its last query); steps with `j > last` skip "
+        "the body.",
+        "The clamped index map names block `min(j, last)`, and Pallas copies a block only when that index differs "
+        "from the step before's (the very first step always copies). Count the steps with `j > last`, and the "
+        "steps whose `min(j, last)` differs from the previous step's; answer `(skipped, copies)`.",
+    ),
+    answer_is_value=True,
+)
 
 
 # -- exercise 3: the biggest blocks that fit a VMEM budget -----------------------------------------------------
@@ -427,3 +470,16 @@ def check_budget(pick_blocks: Callable) -> None:
             hint = f"{want} fits too and has the larger block_q x block_k"
         raise CheckFailed(f"failed: the biggest blocks that fit, case '{case}' — got {got}, expected {want}: {hint}")
     print(f"passed: the biggest blocks that fit, in all {len(_BUDGET_CASES)} cases (ties and exact fits included)")
+
+
+BUDGET = Puzzle(
+    "exercise 3: fit a budget",
+    check_budget,
+    pick_blocks_solution,
+    (
+        "Try all 25 pairs: keep those whose `BlockSizes(block_q, block_k).vmem_bytes(head_dim, dtype)` is at most "
+        "`vmem_limit_bytes(generation)` (a pair that needs exactly the limit fits), then take the best of them.",
+        "`max(fits, key=lambda b: (b[0] * b[1], b[0]))`: a tuple key compares the product first, and between "
+        "equal products the larger `block_q`.",
+    ),
+)
