@@ -12,7 +12,7 @@ import pytest
 from jax import lax
 from jax.experimental import pallas as pl
 
-from flashlib.checks import CheckFailed, exercise
+from flashlib.checks import CheckFailed
 from flashlib.exercises import backward as nb07
 from flashlib.exercises.backward_solutions import NT_DIMS, TN_DIMS
 from flashlib.geometry import MASK_VALUE
@@ -198,10 +198,6 @@ def test_dq_solution_passes(capsys):
 # -- exercise 1: D both ways ----------------------------------------------------------------------------------
 
 
-def d_solution(p, dp, out, do):
-    return jnp.sum(p * dp, axis=1), jnp.sum(do * out, axis=1)
-
-
 def d_both_from_p(p, dp, out, do):  # the definition twice: right values, but a kernel cannot have it early
     return jnp.sum(p * dp, axis=1), jnp.sum(p * dp, axis=1)
 
@@ -219,8 +215,8 @@ def d_keepdims(p, dp, out, do):
 
 
 def test_d_stub_is_not_attempted(capsys):
-    exercise("exercise 1", lambda: _stub, nb07.check_d_both_ways)
-    assert "not attempted yet" in capsys.readouterr().out
+    assert nb07.D_BOTH_WAYS.use(_stub) is nb07.d_both_ways_solution
+    assert "exercise 1: D, both ways: not attempted yet" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("wrong, message", [
@@ -235,14 +231,16 @@ def test_d_wrong_answers_fail_with_their_hint(wrong, message):
 
 
 def test_d_solution_passes(capsys):
-    nb07.check_d_both_ways(d_solution)
-    assert "passed: D both ways" in capsys.readouterr().out
+    nb07.D_BOTH_WAYS.use(nb07.d_both_ways_solution)
+    out = capsys.readouterr().out
+    assert "passed: D both ways" in out and "exercise 1: D, both ways: passed" in out
 
 
 # -- exercise 2: dV of one key block ------------------------------------------------------------------------------
 
 
 def dv_loop(q, k, do, lse, j, *, block_q, block_k, scale, first=None, mask=True, subtract_lse=True, ceil=False):
+    """The solution written another way, with one mistake switched on (the defaults make it right)."""
     k_j = k[j * block_k:(j + 1) * block_k]
     dv = jnp.zeros((block_k, q.shape[1]))
     start = -(-j * block_k // block_q) if ceil else j * block_k // block_q  # ceil: too late when block_q > block_k
@@ -269,8 +267,11 @@ def test_dv_of_key_block_wrong_answers_fail_with_their_hint(wrong, message):
 
 
 def test_dv_of_key_block_stub_and_solution(capsys):
-    exercise("exercise 2", lambda: _stub, nb07.check_dv_of_key_block)
-    assert "not attempted yet" in capsys.readouterr().out
+    assert nb07.DV_OF_KEY_BLOCK.use(_stub) is nb07.dv_of_key_block_solution
+    assert "exercise 2: the dV accumulation of one key block: not attempted yet" in capsys.readouterr().out
+    nb07.DV_OF_KEY_BLOCK.use(nb07.dv_of_key_block_solution)
+    out = capsys.readouterr().out
+    assert "passed: dv_of_key_block" in out and "key block: passed" in out
     nb07.check_dv_of_key_block(dv_loop)
     assert "passed: dv_of_key_block" in capsys.readouterr().out
 
@@ -299,7 +300,9 @@ def test_busiest_wrong_answers_fail_with_their_hint(wrong, message):
 
 
 def test_busiest_stub_and_solution(capsys):
-    exercise("exercise 3", lambda: None, nb07.check_busiest)
-    assert "not attempted yet" in capsys.readouterr().out
-    nb07.check_busiest((0, 8, 7, 1))
-    assert "passed: the busiest and the idlest dK/dV program" in capsys.readouterr().out
+    assert nb07.BUSIEST.use(_stub) == (0, 8, 7, 1)
+    assert "exercise 3: the block that dominates: not attempted yet" in capsys.readouterr().out
+    assert nb07.busiest_solution() == (0, 8, 7, 1)
+    nb07.BUSIEST.use(nb07.busiest_solution)
+    out = capsys.readouterr().out
+    assert "passed: the busiest and the idlest dK/dV program" in out and "dominates: passed" in out

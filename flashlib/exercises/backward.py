@@ -22,12 +22,21 @@ from jax.experimental.pallas import tpu as pltpu
 
 from flashlib import geometry, reference, viz
 from flashlib.checks import CheckFailed, check, check_attention_grads
-from flashlib.exercises.backward_solutions import dkv_kernel, dq_kernel, first_q_block, last_kv_block, probabilities
+from flashlib.exercises.backward_solutions import (
+    busiest_solution,
+    d_both_ways_solution,
+    dkv_kernel,
+    dq_kernel,
+    dv_of_key_block_solution,
+    first_q_block,
+    last_kv_block,
+    probabilities,
+)
 from flashlib.exercises.puzzle import Puzzle
 from flashlib.kernels.tpu_backward import NO_KEY_LSE
 
-__all__ = ["DKV_KERNEL", "DQ_KERNEL", "check_busiest", "check_d_both_ways", "check_dkv_kernel", "check_dq_kernel",
-           "check_dv_of_key_block"]
+__all__ = ["BUSIEST", "DKV_KERNEL", "DQ_KERNEL", "DV_OF_KEY_BLOCK", "D_BOTH_WAYS", "check_busiest",
+           "check_d_both_ways", "check_dkv_kernel", "check_dq_kernel", "check_dv_of_key_block"]
 
 
 # -- the checkers' harness: the two pallas_calls, every hidden step handed a block of NaN ----------------------
@@ -333,6 +342,19 @@ def check_d_both_ways(d_both_ways) -> None:  # the exercises' checkers, from her
     check(np.allclose(from_p, from_o, atol=1e-4), "D both ways: rowsum(P * dP) == rowsum(dO * O)")
 
 
+D_BOTH_WAYS = Puzzle(
+    "exercise 1: D, both ways",
+    check_d_both_ways,
+    d_both_ways_solution,
+    (
+        "Both are one number per query row: multiply element by element, then sum each row (`axis=1`, no "
+        "`keepdims`). The first needs only `p` and `dp`, the second only `out` and `do`.",
+        "`jnp.sum(p * dp, axis=1)` and `jnp.sum(do * out, axis=1)`. Only the second can be computed before the "
+        "kernel visits a block: `O` and `dO` are whole rows it has from the start.",
+    ),
+)
+
+
 def check_dv_of_key_block(dv_of_key_block, *, n: int = 256) -> None:
     """``dv_of_key_block(q, k, do, lse, j, *, block_q, block_k, scale)`` for causal attention on one head [n, 32],
     for the first, a middle and the last key block, with block_q < block_k and block_q > block_k, against
@@ -373,6 +395,21 @@ def check_dv_of_key_block(dv_of_key_block, *, n: int = 256) -> None:
           "and block_q > block_k), using only the query blocks that see them")
 
 
+DV_OF_KEY_BLOCK = Puzzle(
+    "exercise 2: the dV accumulation of one key block",
+    check_dv_of_key_block,
+    dv_of_key_block_solution,
+    (
+        "Key block `j` holds keys `j * block_k` to `(j + 1) * block_k - 1`. Causal, a query sees the keys at or "
+        "before its own position, so the first query that sees block `j` is query `j * block_k`, in query block "
+        "`j * block_k // block_q`. Loop from there to the last query block.",
+        "For each query block `i`: `s = q_i @ k_j.T * scale`, masked to `-inf` where `kv_pos > q_pos` (absolute "
+        "positions, `jnp.arange`); `P_ij = jnp.exp(s - lse_i[:, None])` (the saved `lse`: no max, no sum); "
+        "`dv += P_ij.T @ do_i`, starting from `jnp.zeros((block_k, d))`.",
+    ),
+)
+
+
 def check_busiest(answer, *, n: int = 4096, block: int = 512) -> None:
     """``answer = (most_block, most_steps, fewest_block, fewest_steps)`` for the causal dK/dV kernel's programs
     (one per key block) over ``n`` tokens in ``block x block`` tiles; ``None`` is not attempted."""
@@ -388,3 +425,19 @@ def check_busiest(answer, *, n: int = 4096, block: int = 512) -> None:
             raise CheckFailed(f"failed: the busiest and the idlest dK/dV program — {what} is not {answer[index]}: "
                               f"{rule}; skipped steps do not count")
     print("passed: the busiest and the idlest dK/dV program")
+
+
+BUSIEST = Puzzle(
+    "exercise 3: the block that dominates",
+    check_busiest,
+    busiest_solution,
+    (
+        "The dK/dV kernel has one program per key block `j`; query blocks `i` stream past it, and a step runs its "
+        "body only when query block `i` sees some key of block `j`. With `block_q = block_k`, causal, that is "
+        "`i >= j`.",
+        "For each of the `4096 // 512 = 8` key blocks `j`, count the query blocks `i` with `i >= j` (skipped "
+        "steps do not count); then take the largest and the smallest count and their key blocks: `(most_block, "
+        "most_steps, fewest_block, fewest_steps)`.",
+    ),
+    answer_is_value=True,
+)

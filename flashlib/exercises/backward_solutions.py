@@ -1,5 +1,6 @@
 """The teaching solutions of notebook 07's puzzles (``probabilities``, ``first_q_block`` and the dK/dV kernel;
-``last_kv_block`` and the dQ kernel), kept apart from their checkers in :mod:`flashlib.exercises.backward`, which
+``last_kv_block`` and the dQ kernel) and exercises (D both ways, dV of one key block, the busiest dK/dV
+program), kept apart from their checkers in :mod:`flashlib.exercises.backward`, which
 imports them. Their source is what the notebook's hint cells show (``notebooks/make_hint_cells.py``)."""
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ from jax.experimental import pallas as pl
 
 from flashlib.geometry import MASK_VALUE
 
-__all__ = ["NT_DIMS", "TN_DIMS", "dkv_kernel", "dq_kernel", "first_q_block", "last_kv_block", "probabilities"]
+__all__ = ["NT_DIMS", "TN_DIMS", "busiest_solution", "d_both_ways_solution", "dkv_kernel", "dq_kernel",
+           "dv_of_key_block_solution", "first_q_block", "last_kv_block", "probabilities"]
 
 NT_DIMS = (((1,), (1,)), ((), ()))  # [m, d] x [n, d] -> [m, n]: a @ b.T
 TN_DIMS = (((0,), (0,)), ((), ()))  # [m, n] x [m, d] -> [n, d]: a.T @ b
@@ -81,3 +83,35 @@ def dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, d_ref, dq_ref, dq_acc, *, sc
     @pl.when(kv_block == pl.num_programs(3) - 1)
     def finalize():
         dq_ref[...] = (dq_acc[...] * scale).astype(dq_ref.dtype)
+
+
+# -- the exercises' solutions --------------------------------------------------------------------------------
+
+
+def d_both_ways_solution(p, dp, out, do):
+    # p, dp [N, N]; out, do [N, d] -> two arrays [N]: one number per query row each
+    return jnp.sum(p * dp, axis=1), jnp.sum(do * out, axis=1)  # the definition; the form a kernel has up front
+
+
+def dv_of_key_block_solution(q, k, do, lse, j, *, block_q, block_k, scale):
+    k_j = k[j * block_k:(j + 1) * block_k]  # [bk, d]
+    kv_pos = j * block_k + jnp.arange(block_k)[None, :]  # [1, bk]
+    dv = jnp.zeros((block_k, do.shape[1]), jnp.float32)
+    for i in range(j * block_k // block_q, q.shape[0] // block_q):  # from the first query block that sees block j
+        rows = slice(i * block_q, (i + 1) * block_q)
+        q_pos = i * block_q + jnp.arange(block_q)[:, None]  # [bq, 1]
+        s = jnp.where(kv_pos <= q_pos, q[rows] @ k_j.T * scale, -jnp.inf)  # causal: query i sees key j <= i
+        dv += jnp.exp(s - lse[rows, None]).T @ do[rows]  # P_ij^T dO_i, P recomputed from the saved lse
+    return dv
+
+
+def busiest_solution():
+    tokens, block = 4096, 512
+    blocks = tokens // block
+    steps = [0] * blocks  # body steps of each key block's program
+    for j in range(blocks):  # the dK/dV kernel: one program per key block, query blocks stream past
+        for i in range(blocks):
+            steps[j] += i >= j  # causal, square blocks: query block i sees key block j when i >= j
+    most = max(range(blocks), key=lambda j: steps[j])
+    fewest = min(range(blocks), key=lambda j: steps[j])
+    return most, steps[most], fewest, steps[fewest]
