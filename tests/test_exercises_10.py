@@ -3,6 +3,9 @@ back), plausible wrong answers (each fails with the message that names its mista
 
 from __future__ import annotations
 
+import inspect
+import textwrap
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -10,6 +13,7 @@ import pytest
 from flashlib import reference
 from flashlib.checks import CheckFailed, exercise
 from flashlib.exercises import decoding as nb10
+from flashlib.exercises import decoding_kernel as nb10k
 
 
 def _stub(*args, **kwargs):
@@ -204,3 +208,74 @@ def _write_transposed(k_pages, block_table, seq, position, k_new):  # block_tabl
 def test_wrong_writes_are_named(answer, message):
     with pytest.raises(CheckFailed, match=message):
         nb10.check_write_token(answer)
+
+
+# -- puzzle 3: the paged decode kernel (its index map and body), run under TPU interpret semantics --------------
+
+
+def _variant(fn, old: str, new: str):
+    """``fn`` (a solution) with one piece of its source replaced: a learner's plausible mistake."""
+    source = textwrap.dedent(inspect.getsource(fn))
+    assert old in source, old
+    namespace = dict(fn.__globals__)
+    exec(compile(source.replace(old, new), f"<{fn.__name__} variant>", "exec"), namespace)  # noqa: S102
+    return namespace[fn.__name__]
+
+
+_KERNEL, _MAP = nb10k.paged_decode_kernel_solution, nb10k.page_index_map_solution
+
+
+def test_the_paged_decode_kernel_stub_is_not_attempted_and_the_solution_passes(capsys):
+    puzzle = nb10k.PAGED_DECODE_KERNEL
+    assert puzzle.use((_stub, _stub)) is puzzle.solution
+    assert "not attempted yet" in capsys.readouterr().out
+    assert puzzle.use(puzzle.solution) is puzzle.solution
+    out = capsys.readouterr().out
+    assert "passed: paged decode kernel" in out and "copies 21 pages for 9 sequences" in out
+    assert puzzle.levels == 3 and "def page_index_map_solution" in puzzle.solution_source()
+
+
+@pytest.mark.parametrize("kernel_change, map_change, message", [
+    # the index map
+    (None, ("jnp.minimum(j, last)", "j"), "it is not clamped, so Pallas copies a page nobody uses"),
+    (None, ("lax.div(lengths_ref[b] + page_size - 1, page_size) - 1", "lax.div(lengths_ref[b], page_size)"),
+     "16 tokens fill exactly 1 page, so the last live page is index 0"),
+    (None, ("b * pages_per_seq +", "b +"), "of the flattened table"),
+    (None, (", 0, 0  #", "  #"), r"return the pool block \(page, 0, 0\)"),
+    (None, ("lax.div(lengths_ref[b] + page_size - 1, page_size)", "(lengths_ref[b] + page_size - 1) // page_size"),
+     "divides a traced int with //"),
+    # the kernel's phases
+    (("@pl.when(j == 0)", "@pl.when(j >= 0)"), None, "NaN in the output: scratch starts as garbage"),
+    (("@pl.when(j == pl.num_programs(1) - 1)  # the last step, skipped or not\n    def finalize():\n",
+      "if True:  # no pl.when: finalize on every step\n"), None, "fewer than three pl.when"),
+    (("j == pl.num_programs(1) - 1", "j == 0"), None, "FIRST page alone: finalize runs on the first step"),
+    (("-jnp.inf, jnp.float32", "0.0, jnp.float32"), None, "the running max m starts at 0, not -inf"),
+    # skipping and masking
+    (("@pl.when(j * page_size < length)", "@pl.when(j >= 0)"), None, "the body runs on a step past the length"),
+    (("@pl.when(j * page_size < length)", "@pl.when(j * page_size <= length)"), None,
+     "the body runs on a step past the length"),
+    (("s = jnp.where(key < length, s, MASK_VALUE)", "s = jnp.where(key <= length, s, MASK_VALUE)"), None,
+     "the mask is off by one at the length"),
+    (("s = jnp.where(key < length, s, MASK_VALUE)", "pass"), None,
+     "the tail of the partly filled last page is not masked"),
+    (("v = jnp.where(slot < length, v_ref[...], 0.0)", "v = v_ref[...]"), None,
+     r"NaN from the stale slots past the length: .* 0 \* NaN is NaN"),
+    (("v = jnp.where(slot < length, v_ref[...], 0.0)", "v = jnp.where(slot <= length, v_ref[...], 0.0)"), None,
+     "NaN from the stale slots past the length"),
+    # the online update
+    (("alpha, p = jnp.exp(m_prev - m_next), jnp.exp(s - m_next)", "alpha, p = 1.0, jnp.exp(s - m_next)"), None,
+     "l and acc are not rescaled"),
+    (("(acc_ref[...] / l_ref[...])", "acc_ref[...]"), None, r"the output is acc, not acc / l"),
+    (("preferred_element_type=jnp.float32) * scale", "preferred_element_type=jnp.float32)"), None,
+     "the scores are not scaled"),
+])
+def test_wrong_paged_decode_kernels_are_named(kernel_change, map_change, message):
+    kernel = _variant(_KERNEL, *kernel_change) if kernel_change else _KERNEL
+    index_map = _variant(_MAP, *map_change) if map_change else _MAP
+    with pytest.raises(CheckFailed, match=message):
+        nb10k.check_paged_decode((kernel, index_map))
+
+
+def test_a_single_function_is_not_the_pair():
+    with pytest.raises(CheckFailed, match="give the pair"):
+        nb10k.check_paged_decode(_KERNEL)

@@ -5,8 +5,9 @@ answers and on a solution (``tests/test_exercises_*.py``).
 One module per notebook; a checker builds its own cases, prints ``passed: ...`` or raises
 :class:`flashlib.checks.CheckFailed` with a message that names the failing case in words and the likely mistake.
 Puzzles are :class:`~flashlib.exercises.puzzle.Puzzle` objects (checker, solution, graded hints; the notebook
-falls back to the solution until the learner's version passes); exercises are run through
-:func:`flashlib.checks.exercise`.
+falls back to the solution until the learner's version passes); the exercises at each notebook's end are
+``Puzzle`` objects too, labelled ``"exercise N: ..."``, with the same graded hints and solution. Every checker
+belongs to one, so mutation testing (``make mutants``, ``tests/mutants.py``) reaches all of them.
 
 ==========================  ========  ======================================================================
 module                      notebook  what the learner writes
@@ -23,6 +24,8 @@ module                      notebook  what the learner writes
 ``variants``                09        the element rule of causal + window + segments, a soft-cap and a sink in
                                       the forward kernel, a block's kind under a window
 ``decoding``                10        the output from split-KV states, the page a paged index map copies
+``decoding_kernel``         10        the paged decode kernel in Pallas: its index map clamped over the block
+                                      table, its body (pages past the length skipped, the last page masked)
 ``scaling_out``             11        one ring-attention step (merge by log-sum-exp), the causal imbalance
 ==========================  ========  ======================================================================
 
