@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flashlib.checks import CheckFailed, exercise
+from flashlib.checks import CheckFailed
 from flashlib.exercises import tiling as nb02
 
 
@@ -109,9 +109,14 @@ def test_tiled_scores_wrong_answer_falls_back_to_the_solution(capsys):
 
 
 def test_tiled_scores_solution_passes(capsys):
-    assert nb02.TILED_SCORES.use(nb02.tiled_scores_solution) is nb02.tiled_scores_solution
-    out = capsys.readouterr().out
-    assert out.startswith("passed: tiled_scores") and "solved" in out
+    nb02.TILED_SCORES.check(nb02.tiled_scores_solution)
+    assert capsys.readouterr().out.startswith("passed: tiled_scores")
+
+    def tiled_scores(q, k, block_q, block_k, matmul=jnp.matmul):  # a learner's answer that passes
+        return nb02.tiled_scores_solution(q, k, block_q, block_k, matmul)
+
+    assert nb02.TILED_SCORES.use(tiled_scores) is tiled_scores
+    assert "puzzle 1: tiled scores: solved" in capsys.readouterr().out
 
 
 def scores_numpy_in_place(q, k, block_q, block_k, matmul=jnp.matmul):  # a NumPy array filled in place
@@ -198,7 +203,7 @@ def test_tiled_pv_wrong_answers_fail_with_their_hint(wrong, message):
 
 
 def test_tiled_pv_solution_passes(capsys):
-    assert nb02.TILED_PV.use(nb02.tiled_pv_solution) is nb02.tiled_pv_solution
+    nb02.TILED_PV.check(nb02.tiled_pv_solution)
     assert capsys.readouterr().out.startswith("passed: tiled_pv")
 
 
@@ -218,15 +223,7 @@ def test_tiled_pv_other_style_passes(capsys):
 # -- exercise 1: blocked matmul with rectangular tiles --------------------------------------------------------------
 
 
-def matmul_solution(a, b, block_m, block_n, block_k, matmul=jnp.matmul):
-    c = jnp.zeros((a.shape[0], b.shape[1]))
-    for i in range(0, a.shape[0], block_m):
-        for j in range(0, b.shape[1], block_n):
-            acc = jnp.zeros((block_m, block_n))
-            for p in range(0, a.shape[1], block_k):
-                acc += matmul(a[i : i + block_m, p : p + block_k], b[p : p + block_k, j : j + block_n])
-            c = c.at[i : i + block_m, j : j + block_n].set(acc)
-    return c
+matmul_solution = nb02.tiled_matmul_solution
 
 
 def matmul_untiled(a, b, block_m, block_n, block_k, matmul=jnp.matmul):  # the old checker passed this
@@ -266,8 +263,8 @@ def test_tiled_matmul_stub_is_not_attempted(capsys):
     def my_tiled_matmul(a, b, block_m, block_n, block_k, matmul=jnp.matmul):
         raise NotImplementedError  # three loops over tiles, one accumulator
 
-    exercise("exercise 1", lambda: my_tiled_matmul, nb02.check_tiled_matmul)  # as the notebook calls it
-    assert "not attempted yet" in capsys.readouterr().out
+    assert nb02.TILED_MATMUL.use(my_tiled_matmul) is matmul_solution  # as the notebook calls it
+    assert "exercise 1: tiled matmul with rectangular tiles: not attempted yet" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("wrong, message", [
@@ -283,17 +280,30 @@ def test_tiled_matmul_wrong_answers_fail_with_their_hint(wrong, message):
 
 
 def test_tiled_matmul_solution_passes(capsys):
-    nb02.check_tiled_matmul(matmul_solution)
+    nb02.TILED_MATMUL.check(matmul_solution)
     assert capsys.readouterr().out.startswith("passed: my_tiled_matmul")
+
+    def my_tiled_matmul(a, b, block_m, block_n, block_k, matmul=jnp.matmul):  # a learner's answer that passes
+        return matmul_solution(a, b, block_m, block_n, block_k, matmul)
+
+    assert nb02.TILED_MATMUL.use(my_tiled_matmul) is my_tiled_matmul
+    assert capsys.readouterr().out.rstrip().endswith("exercise 1: tiled matmul with rectangular tiles: passed")
+
+
+def test_tiled_matmul_wrong_answer_says_where_the_hints_are(capsys):
+    assert nb02.TILED_MATMUL.use(matmul_overwrites) is matmul_solution
+    assert "not passed yet — the hints are below the exercise" in capsys.readouterr().out
 
 
 # -- exercise 2: count the causal grid --------------------------------------------------------------------------------
 
 
 def test_causal_count_stub_is_not_attempted(capsys):
-    my_causal_count = None
-    exercise("exercise 2", lambda: my_causal_count, nb02.check_causal_count)
-    assert "not attempted yet" in capsys.readouterr().out
+    def my_causal_count():
+        raise NotImplementedError  # return {"steps": ..., "skipped": ..., "masked": ...}
+
+    assert nb02.CAUSAL_COUNT.use(my_causal_count) == {"steps": 24, "skipped": 3, "masked": 3}  # as the notebook
+    assert "exercise 2: count the causal grid: not attempted yet" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("wrong, message", [
@@ -308,17 +318,23 @@ def test_causal_count_wrong_answers_fail_with_their_hint(wrong, message):
 
 
 def test_causal_count_solution_passes(capsys):
-    nb02.check_causal_count({"steps": 24, "skipped": 3, "masked": 3})
-    assert capsys.readouterr().out.startswith("passed: causal count of the 384 x 1024 grid has 24 steps")
+    assert nb02.causal_count_solution() == {"steps": 24, "skipped": 3, "masked": 3}  # counted by its loops
+    nb02.CAUSAL_COUNT.use(nb02.causal_count_solution)
+    nb02.CAUSAL_COUNT.use({"steps": 24, "skipped": 3, "masked": 3})  # the value itself, as well as a function
+    out = capsys.readouterr().out
+    assert out.startswith("passed: causal count of the 384 x 1024 grid has 24 steps")
+    assert out.count("exercise 2: count the causal grid: passed") == 2
 
 
 # -- exercise 3: how big a query tile? --------------------------------------------------------------------------------
 
 
 def test_block_q_stub_is_not_attempted(capsys):
-    my_block_q = my_q_tile_kib = None
-    exercise("exercise 3", lambda: (my_block_q, my_q_tile_kib), nb02.check_block_q)
-    assert "not attempted yet" in capsys.readouterr().out
+    def my_block_q():
+        raise NotImplementedError  # return (block_q, q_tile_kib)
+
+    assert nb02.BLOCK_Q.use(my_block_q) == (1024, 256.0)  # as the notebook calls it
+    assert "exercise 3: how big a query tile: not attempted yet" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("wrong, message", [
@@ -340,3 +356,9 @@ def test_block_q_wrong_answers_fail_with_their_hint(wrong, message):
 def test_block_q_solution_passes(capsys, answer):
     nb02.check_block_q(answer)
     assert capsys.readouterr().out.startswith("passed: block_q = 1024 moves 13.2x fewer bytes")
+
+
+def test_block_q_worked_out_passes(capsys):
+    assert nb02.block_q_solution() == (1024, 256.0)  # found by trying the powers of two
+    nb02.BLOCK_Q.use(nb02.block_q_solution)
+    assert capsys.readouterr().out.rstrip().endswith("exercise 3: how big a query tile: passed")

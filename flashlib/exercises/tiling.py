@@ -5,7 +5,8 @@ census, and the query tile that buys a tenfold cut in HBM traffic.
 The tiled functions take the matmul they must call for every tile product (``matmul=jnp.matmul``); the
 checkers pass an instrumented one that records each call's operand shapes, so an answer that is right but
 not tiled (one big product, tiles larger than the blocks, ``@`` instead of ``matmul``) fails as well as one
-that computes the wrong numbers.
+that computes the wrong numbers. Every puzzle and exercise is a :class:`~flashlib.exercises.puzzle.Puzzle`; their
+solutions are in :mod:`flashlib.exercises.tiling_solutions`.
 """
 
 from __future__ import annotations
@@ -19,11 +20,19 @@ import numpy as np
 
 from flashlib.checks import CheckFailed
 from flashlib.exercises.puzzle import Puzzle
+from flashlib.exercises.tiling_solutions import (
+    block_q_solution,
+    causal_count_solution,
+    tiled_matmul_solution,
+    tiled_pv_solution,
+    tiled_scores_solution,
+)
 from flashlib.viz import tiling_steps
 
 __all__ = [
-    "TILED_PV", "TILED_SCORES", "check_block_q", "check_causal_count", "check_tiled_matmul", "check_tiled_pv",
-    "check_tiled_scores",
+    "BLOCK_Q", "CAUSAL_COUNT", "TILED_MATMUL", "TILED_PV", "TILED_SCORES", "block_q_solution", "causal_count_solution",
+    "check_block_q", "check_causal_count", "check_tiled_matmul", "check_tiled_pv", "check_tiled_scores",
+    "tiled_matmul_solution", "tiled_pv_solution", "tiled_scores_solution",
 ]
 
 Shapes = tuple[tuple[int, ...], tuple[int, ...]]
@@ -132,16 +141,6 @@ _ATTENTION_CASES = [
 # -- puzzle 1: S = Q K^T / sqrt(d), tile by tile ---------------------------------------------------------------
 
 
-def tiled_scores_solution(q, k, block_q, block_k, matmul=jnp.matmul):
-    scale = 1 / np.sqrt(q.shape[1])
-    s = jnp.zeros((q.shape[0], k.shape[0]))
-    for i in range(0, q.shape[0], block_q):
-        for j in range(0, k.shape[0], block_k):
-            s_ij = matmul(q[i : i + block_q], k[j : j + block_k].T) * scale  # [block_q, block_k], shorter at the ends
-            s = s.at[i : i + block_q, j : j + block_k].set(s_ij)
-    return s
-
-
 def check_tiled_scores(tiled_scores: Callable[..., Any]) -> None:
     """``tiled_scores(q, k, block_q, block_k, matmul)`` is ``Q Kᵀ / √d``, one ``matmul`` call per tile pair."""
     name = "tiled_scores"
@@ -161,16 +160,6 @@ def check_tiled_scores(tiled_scores: Callable[..., Any]) -> None:
 
 
 # -- puzzle 2: O = P V, accumulated over key tiles ---------------------------------------------------------------
-
-
-def tiled_pv_solution(p, v, block_q, block_k, matmul=jnp.matmul):
-    out = jnp.zeros((p.shape[0], v.shape[1]))
-    for i in range(0, p.shape[0], block_q):
-        acc = jnp.zeros((p[i : i + block_q].shape[0], v.shape[1]))  # [rows of this tile, d]: O_i being summed
-        for j in range(0, p.shape[1], block_k):
-            acc += matmul(p[i : i + block_q, j : j + block_k], v[j : j + block_k])
-        out = out.at[i : i + block_q].set(acc)  # written once, after its last key tile
-    return out
 
 
 def check_tiled_pv(tiled_pv: Callable[..., Any]) -> None:
@@ -268,6 +257,19 @@ def check_tiled_matmul(my_tiled_matmul: Callable[..., Any]) -> None:
           "(three different block sizes)")
 
 
+TILED_MATMUL = Puzzle(
+    "exercise 1: tiled matmul with rectangular tiles", check_tiled_matmul, tiled_matmul_solution, (
+        "It is `blocked_matmul` of section 1 with three block sizes instead of one: `block_m` cuts the rows of `a` "
+        "(and of the output), `block_n` the columns of `b` (and of the output), and `block_k` the shared dimension "
+        "(the columns of `a`, the rows of `b`). Each output tile has its own accumulator, summed over the shared "
+        "dimension.",
+        "Loop `i` over `range(0, m, block_m)` and `j` over `range(0, n, block_n)`; inside them start "
+        "`acc = jnp.zeros((block_m, block_n))`, loop `p` over `range(0, k, block_k)` with "
+        "`acc += matmul(a[i : i + block_m, p : p + block_k], b[p : p + block_k, j : j + block_n])`, and after "
+        "that loop write the tile once, `c = c.at[i : i + block_m, j : j + block_n].set(acc)`.",
+    ))
+
+
 # -- exercise 2: the causal grid of 384 queries and 1024 keys ---------------------------------------------------------
 
 
@@ -311,6 +313,18 @@ def check_causal_count(answer: dict | None, q_len: int = 384, kv_len: int = 1024
                       "its keys, masked when the diagonal cuts through it")
 
 
+CAUSAL_COUNT = Puzzle(
+    "exercise 2: count the causal grid", check_causal_count, causal_count_solution, (
+        "The grid has one step per (query tile, key tile) pair, skipped ones included. The queries are the LAST "
+        "384 positions, so query `i` sees keys `j <= i + 640` (640 = `kv_len - q_len`): the diagonal starts at "
+        "key 640 in the first query row, not at key 0.",
+        "Look at each tile's corners. It is skipped when even its last query sees none of its keys "
+        "(`k_lo > q_lo + 127 + 640`), masked when its first query misses some of them (`k_lo + 127 > q_lo + "
+        "640`: the diagonal cuts through), computed in full otherwise. Two loops over `q_lo` and `k_lo` in steps "
+        "of 128 count them.",
+    ), answer_is_value=True)
+
+
 # -- exercise 3: the query tile that moves 10x fewer bytes -------------------------------------------------------
 
 
@@ -349,3 +363,15 @@ def check_block_q(answer: tuple[Any, Any], n: int = 4096, d: int = 128) -> None:
                           f"in KiB{' (' + slip + ')' if slip else ''}")
     print(f"passed: block_q = {block} moves {ratio:.1f}x fewer bytes than the naive pass (the next smaller power of "
           f"two does not reach 10x), and its Q tile takes {kib:g} KiB of VMEM")
+
+
+BLOCK_Q = Puzzle(
+    "exercise 3: how big a query tile", check_block_q, block_q_solution, (
+        "The rule `2·block_q/d` puts 10x near `block_q = 5·d`; the power of two just above is the first guess. It "
+        "is only an estimate because it drops the `n·d` terms: the naive pass also reads `Q`, `K`, `V` and writes "
+        "`O`, and the tiled pass reads `Q` and writes `O` once. Check the guess and the power of two below it "
+        "with `naive_traffic(4096, 128)` and `tiled_traffic(4096, 128, block_q)`.",
+        "Double `block_q` from 1 until `naive_traffic(n, d) >= 10 * tiled_traffic(n, d, block_q)`. The `Q` tile "
+        "holds `block_q × d` bfloat16 numbers of 2 bytes each, and a KiB is 1024 bytes: return "
+        "`(block_q, block_q * d * 2 / 1024)`.",
+    ), answer_is_value=True)
