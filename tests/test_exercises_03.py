@@ -8,22 +8,14 @@ import jax.numpy as jnp
 import pytest
 
 from flashlib import reference
-from flashlib.checks import CheckFailed, exercise
+from flashlib.checks import CheckFailed
 from flashlib.exercises import online_softmax as nb03
 from flashlib.reference import SoftmaxState
-
-
-def _stub(*args, **kwargs):
-    raise NotImplementedError
-
 
 # -- 03 exercise 1: merge (m, l) ----------------------------------------------------------------------
 
 
-def merge_ml_solution(m_a, l_a, m_b, l_b):
-    m = jnp.maximum(m_a, m_b)
-    safe = jnp.where(jnp.isfinite(m), m, 0.0)
-    return m, l_a * jnp.exp(m_a - safe) + l_b * jnp.exp(m_b - safe)
+merge_ml_solution = nb03.merge_ml_solution
 
 
 def merge_ml_unsafe(m_a, l_a, m_b, l_b):  # exponentiates against m itself: NaN when both sides are empty
@@ -41,8 +33,10 @@ def merge_ml_first_max(m_a, l_a, m_b, l_b):  # keeps the first side's maximum
 
 
 def test_merge_ml_stub_is_not_attempted(capsys):
-    exercise("exercise 1", lambda: _stub, nb03.check_merge_ml)  # as the notebook calls it
-    assert "not attempted yet" in capsys.readouterr().out
+    def merge_ml(m_a, l_a, m_b, l_b):
+        raise NotImplementedError  # your code here: return m, l
+    assert nb03.MERGE_ML.use(merge_ml) is merge_ml_solution  # as the notebook calls it
+    assert "exercise 1: merge (m, l) only: not attempted yet" in capsys.readouterr().out
 
 
 def merge_ml_returns_safe_m(m_a, l_a, m_b, l_b):  # hands back the safe maximum (0) for a row nobody has seen
@@ -78,14 +72,17 @@ def test_merge_ml_solution_passes(valid, capsys):
     assert capsys.readouterr().out.startswith("passed: merge_ml")
 
 
+def test_merge_ml_use_says_passed_or_where_the_hints_are(capsys):
+    assert nb03.MERGE_ML.use(merge_ml_logaddexp) is merge_ml_logaddexp
+    assert capsys.readouterr().out.rstrip().endswith("exercise 1: merge (m, l) only: passed")
+    assert nb03.MERGE_ML.use(merge_ml_no_rescale) is merge_ml_solution
+    assert "exercise 1: merge (m, l) only: not passed yet — the hints are below" in capsys.readouterr().out
+
+
 # -- 03 exercise 2: merge a list as a balanced tree -----------------------------------------------------
 
 
-def merge_tree_solution(states, merge=reference.merge_states):
-    while len(states) > 1:
-        paired = [merge(a, b) for a, b in zip(states[::2], states[1::2], strict=False)]
-        states = paired + ([states[-1]] if len(states) % 2 else [])
-    return states[0]
+merge_tree_solution = nb03.merge_tree_solution
 
 
 def merge_tree_left_fold(states, merge=reference.merge_states):  # right answer, wrong shape: depth n - 1
@@ -144,8 +141,12 @@ def test_merge_tree_solution_passes(valid, capsys):
 
 
 def test_merge_tree_stub_is_not_attempted(capsys):
-    exercise("exercise 2", lambda: _stub, nb03.check_merge_tree)
-    assert "not attempted yet" in capsys.readouterr().out
+    def merge_tree(states, merge=reference.merge_states):
+        raise NotImplementedError  # your code here: return one SoftmaxState, merging with `merge`
+    assert nb03.MERGE_TREE.use(merge_tree) is merge_tree_solution
+    assert "exercise 2: order does not matter: not attempted yet" in capsys.readouterr().out
+    assert nb03.MERGE_TREE.use(merge_tree_recursive) is merge_tree_recursive
+    assert capsys.readouterr().out.rstrip().endswith("exercise 2: order does not matter: passed")
 
 
 # -- 03 puzzle 1: the online update -------------------------------------------------------------------------
@@ -243,9 +244,10 @@ def test_online_update_wrong_answer_falls_back_to_the_solution(capsys):
 
 
 def test_online_update_solution_passes(capsys):
-    assert nb03.ONLINE_UPDATE.use(nb03.online_update_solution) is nb03.online_update_solution
-    out = capsys.readouterr().out
-    assert out.startswith("passed: online_update") and "solved" in out
+    nb03.ONLINE_UPDATE.check(nb03.online_update_solution)
+    assert capsys.readouterr().out.startswith("passed: online_update")
+    assert nb03.ONLINE_UPDATE.use(update_where_guards) is update_where_guards
+    assert "puzzle 1: the online update: solved" in capsys.readouterr().out
 
 
 def update_where_guards(state, s, v):  # zero the factors of -inf entries instead of a safe maximum
@@ -317,9 +319,10 @@ def test_merge_states_wrong_answers_fail_with_their_hint(wrong, message):
 
 
 def test_merge_states_solution_and_the_reference_pass(capsys):
-    assert nb03.MERGE_STATES.use(nb03.merge_states_solution) is nb03.merge_states_solution
-    nb03.check_merge_states(reference.merge_states)
-    assert capsys.readouterr().out.count("passed: merge_states") == 2
+    nb03.MERGE_STATES.check(nb03.merge_states_solution)
+    assert nb03.MERGE_STATES.use(reference.merge_states) is reference.merge_states
+    out = capsys.readouterr().out
+    assert out.count("passed: merge_states") == 2 and "puzzle 2: merging two states: solved" in out
 
 
 # -- 03 exercise 3: the row, blocks from the last to the first ----------------------------------------------
@@ -329,11 +332,7 @@ def _start(v):
     return SoftmaxState(m=jnp.full(1, -jnp.inf), l=jnp.zeros(1), acc=jnp.zeros((1, v.shape[1])))
 
 
-def reversed_solution(s, v, block, update=nb03.online_update_solution):
-    state = _start(v)
-    for lo in reversed(range(0, len(s), block)):
-        state = update(state, s[None, lo:lo + block], v[lo:lo + block])
-    return reference.state_output(state)[0]
+reversed_solution = nb03.online_attention_row_reversed_solution
 
 
 def reversed_forward(s, v, block, update=nb03.online_update_solution):  # section 5's loop, unchanged
@@ -368,8 +367,8 @@ def reversed_ignores_update(s, v, block, update=nb03.online_update_solution):  #
 def test_reversed_stub_is_not_attempted(capsys):
     def online_attention_row_reversed(s, v, block, update=nb03.online_update_solution):
         raise NotImplementedError  # your code here
-    exercise("exercise 3", lambda: online_attention_row_reversed, nb03.check_online_attention_row_reversed)
-    assert "exercise 3: not attempted yet" in capsys.readouterr().out
+    assert nb03.ROW_REVERSED.use(online_attention_row_reversed) is reversed_solution  # as the notebook calls it
+    assert "exercise 3: backwards: not attempted yet" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("wrong, message", [
@@ -388,5 +387,10 @@ def test_reversed_wrong_answers_fail_with_their_hint(wrong, message):
 
 
 def test_reversed_solution_passes(capsys):
-    exercise("exercise 3", lambda: reversed_solution, nb03.check_online_attention_row_reversed)
+    nb03.ROW_REVERSED.check(reversed_solution)
     assert capsys.readouterr().out.startswith("passed: online_attention_row_reversed")
+
+    def online_attention_row_reversed(s, v, block, update=nb03.online_update_solution):  # a learner's, passing
+        return reversed_solution(s, v, block, update)
+    assert nb03.ROW_REVERSED.use(online_attention_row_reversed) is online_attention_row_reversed
+    assert capsys.readouterr().out.rstrip().endswith("exercise 3: backwards: passed")

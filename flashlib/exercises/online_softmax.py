@@ -4,7 +4,8 @@ Puzzles (the learner writes them; the notebook runs on the learner's version onc
 :data:`ONLINE_UPDATE`, folding one block of scores and values into a running ``(m, l, acc)`` state, and
 :data:`MERGE_STATES`, merging two such states. Exercises: merging ``(m, l)`` pairs (:func:`check_merge_ml`), a
 balanced merge tree (:func:`check_merge_tree`) and the one-pass row visited backwards
-(:func:`check_online_attention_row_reversed`).
+(:func:`check_online_attention_row_reversed`): :data:`MERGE_ML`, :data:`MERGE_TREE` and :data:`ROW_REVERSED`.
+The solutions are in :mod:`flashlib.exercises.online_softmax_solutions`.
 """
 
 from __future__ import annotations
@@ -17,21 +18,20 @@ import numpy as np
 
 from flashlib import reference
 from flashlib.checks import CheckFailed
+from flashlib.exercises.online_softmax_solutions import (
+    merge_ml_solution,
+    merge_states_solution,
+    merge_tree_solution,
+    online_attention_row_reversed_solution,
+    online_update_solution,
+)
 from flashlib.exercises.puzzle import Puzzle
 from flashlib.reference import SoftmaxState
 
-__all__ = [
-    "MERGE_STATES",
-    "ONLINE_UPDATE",
-    "check_merge_ml",
-    "check_merge_states",
-    "check_merge_tree",
-    "check_online_attention_row_reversed",
-    "check_online_update",
-    "chunk_states",
-    "merge_states_solution",
-    "online_update_solution",
-]
+__all__ = ["MERGE_ML", "MERGE_STATES", "MERGE_TREE", "ONLINE_UPDATE", "ROW_REVERSED", "check_merge_ml",
+           "check_merge_states", "check_merge_tree", "check_online_attention_row_reversed", "check_online_update",
+           "chunk_states", "merge_ml_solution", "merge_states_solution", "merge_tree_solution",
+           "online_attention_row_reversed_solution", "online_update_solution"]
 
 
 def _state(scores: np.ndarray, values: np.ndarray) -> SoftmaxState:
@@ -254,14 +254,6 @@ def check_online_update(online_update: Callable[[SoftmaxState, Any, Any], Softma
           "included")
 
 
-def online_update_solution(state, s, v):
-    m_new = jnp.maximum(state.m, jnp.max(s, axis=-1))  # [q]: the larger of the old max and the block's
-    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # a row with no visible key yet: 0, not -inf
-    alpha = jnp.exp(state.m - m_safe)  # [q]: how much everything seen so far shrinks
-    p = jnp.exp(s - m_safe[:, None])  # [q, k]: the block's weights, all <= 1 (0 for a masked key)
-    return SoftmaxState(m=m_new, l=alpha * state.l + p.sum(axis=-1), acc=alpha[:, None] * state.acc + p @ v)
-
-
 def _holes(rng: np.random.Generator) -> tuple[SoftmaxState, SoftmaxState]:
     """Two states of 4 rows: row 0 seen by both sides, row 1 by the second only, row 2 by the first only,
     row 3 by neither."""
@@ -285,13 +277,6 @@ def check_merge_states(merge_states: Callable[[SoftmaxState, SoftmaxState], Soft
             [(name, value, f"{name}_a + {name}_b adds sums taken against different maxima: rescale each side "
               f"to the common maximum first, {name}_a e^(m_a - m) + {name}_b e^(m_b - m)") for name, value in sums])
     print(f"passed: merge_states merges (m, l, acc) in all {len(cases)} cases, empty sides and empty rows included")
-
-
-def merge_states_solution(a, b):
-    m = jnp.maximum(a.m, b.m)  # [q]: the common maximum
-    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)  # rows neither side has seen stay empty, not NaN
-    alpha, beta = jnp.exp(a.m - m_safe), jnp.exp(b.m - m_safe)  # [q]: each side's rescale (0 for an empty side)
-    return SoftmaxState(m=m, l=alpha * a.l + beta * b.l, acc=alpha[:, None] * a.acc + beta[:, None] * b.acc)
 
 
 # -- exercise 3: the one-pass row, blocks visited from the last to the first --------------------------------
@@ -382,4 +367,34 @@ MERGE_STATES = Puzzle("puzzle 2: merging two states", check_merge_states, merge_
     "`l = alpha * a.l + beta * b.l` and `acc = alpha[:, None] * a.acc + beta[:, None] * b.acc`. A side that has "
     "seen no key (`m = -inf`, `l = 0`) gets the factor 0, unless the other side is empty too: then `m = -inf` "
     "and `exp(-inf - (-inf))` is NaN, so exponentiate against `m_safe = jnp.where(jnp.isfinite(m), m, 0.0)`.",
+))
+
+
+# -- the exercises ----------------------------------------------------------------------------------------
+
+MERGE_ML = Puzzle("exercise 1: merge (m, l) only", check_merge_ml, merge_ml_solution, (
+    "It is `merge_states` without `acc`: the merged maximum is `m = jnp.maximum(m_a, m_b)`, and each side's sum "
+    "was taken against its own maximum, so it is rescaled to `m` before the two are added.",
+    "`l = l_a * exp(m_a - m) + l_b * exp(m_b - m)`, returned as `(m, l)`. Where neither side has seen a key, "
+    "`m = -inf` and `exp(-inf - (-inf))` is NaN: exponentiate against `m_safe = jnp.where(jnp.isfinite(m), m, "
+    "0.0)` instead, and still return `m` itself.",
+))
+
+MERGE_TREE = Puzzle("exercise 2: order does not matter", check_merge_tree, merge_tree_solution, (
+    "Work level by level: merge neighbours in pairs, `(0, 1)`, `(2, 3)`, ..., which halves the list; repeat "
+    "until one state is left. Each level adds one to the depth, so 8 states take 3 levels. Call `merge(a, b)` "
+    "every time, never `merge_states` directly.",
+    "`while len(states) > 1:` pair them with `zip(states[::2], states[1::2])`, and when the list has odd length "
+    "append its last state, unmerged, to the new level (`states[-1]`); at the end return `states[0]`, the state "
+    "itself, not a list.",
+))
+
+ROW_REVERSED = Puzzle("exercise 3: backwards", check_online_attention_row_reversed,
+                      online_attention_row_reversed_solution, (
+    "Start from section 5's `online_attention_row`: the same empty state (`m = -inf`, `l = 0`, `acc = 0`), the "
+    "same blocks `s[None, lo : lo + block]` with their values `v[lo : lo + block]`, the same `acc / l` at the "
+    "end. Only the order of the `lo`s changes.",
+    "`for lo in reversed(range(0, len(s), block))`: the same starts, last first, so the last (shorter) block "
+    "comes first. Fold each with `state = update(state, s[None, lo : lo + block], v[lo : lo + block])` and "
+    "return `reference.state_output(state)[0]`.",
 ))
