@@ -128,7 +128,8 @@ def test_choose_blocks_wrong_answers_fail_with_their_hint(wrong, message):
 def test_choose_blocks_solution_passes(answer, capsys):
     assert nb08.CHOOSE_BLOCKS.use(answer) is answer
     out = capsys.readouterr().out
-    assert out.startswith("passed: choose_blocks") and "solved" in out
+    assert out.startswith("passed: choose_blocks")
+    assert "solved" in out or "passed — but this is flashlib's version" in out
 
 
 def test_the_cases_are_what_their_names_say():

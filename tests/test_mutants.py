@@ -12,7 +12,10 @@ The kills themselves are regression cases in ``tests/test_exercises_*.py`` (wron
 from __future__ import annotations
 
 import functools
+import importlib
+import inspect
 import json
+import pkgutil
 
 import mutants
 import pytest
@@ -54,3 +57,18 @@ def test_the_operators_make_the_learners_mistakes():
     assert made["ReplaceComparisonOperator_Lt_LtE"] == ("- return x[:n] if m < x.sum() else x | "
                                                         "+ return x[:n] if m <= x.sum() else x")
     assert "ReplaceBinaryOperator_Mul_Div" not in made  # the signature's bare * is not multiplication
+
+
+def test_every_checker_is_a_puzzles_so_the_report_covers_it():
+    """Each ``check_*`` of ``flashlib.exercises`` judges some puzzle or exercise (a ``Puzzle``), so mutation testing
+    reaches every checker a notebook calls; a checker called directly from a notebook would escape it."""
+    import flashlib.exercises as exercises  # noqa: PLC0415
+
+    judged = {puzzle.checker for puzzle in PUZZLES.values()}
+    loose = []
+    for info in pkgutil.iter_modules(exercises.__path__):
+        module = importlib.import_module(f"flashlib.exercises.{info.name}")
+        loose += [f"{info.name}.{name}" for name, fn in vars(module).items()
+                  if name.startswith("check_") and inspect.isfunction(fn) and fn.__module__ == module.__name__
+                  and fn not in judged]
+    assert not loose, f"checkers no Puzzle holds (make each an exercise Puzzle with hints and a solution): {loose}"

@@ -100,6 +100,16 @@ def test_use_returns_a_passing_answer(capsys):
     assert "solved — the rest of this notebook runs your version" in capsys.readouterr().out
 
 
+def test_running_the_cell_again_after_a_fall_back_does_not_say_solved(capsys):
+    def stub(x):
+        raise NotImplementedError
+    answer = DOUBLE.use(stub)  # the notebook's `double = DOUBLE.use(double)`: the name now holds the solution
+    capsys.readouterr()
+    assert DOUBLE.use(answer) is _double
+    out = capsys.readouterr().out
+    assert "solved" not in out and "passed — but this is flashlib's version" in out and "run your own cell again" in out
+
+
 def test_errors_in_the_learners_code_propagate():
     with pytest.raises(TypeError):
         DOUBLE.use(lambda x: x + "2")

@@ -6,6 +6,10 @@ and ``D`` arrive as ``[block_q, 1]`` column blocks; ``causal`` is bottom-right a
 ``j <= i + offset``, ``offset = kv_len - q_len``); lengths are multiples of the blocks. The checkers run the
 learner's kernels under ``pltpu.InterpretParams()`` (scratch starts as NaN, out-of-bounds blocks raise) and
 hand every step the causal mask hides a block of NaN, so a body that runs where it should skip shows.
+
+Longer than 400 lines because the two kernel puzzles and the three exercises share one harness (the notebook's
+grid, the NaN blocks, the float64 gradients the messages compare against) and each Puzzle stands beside its
+checker; the solutions already live in ``backward_solutions``.
 """
 
 from __future__ import annotations
