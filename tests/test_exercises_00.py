@@ -148,13 +148,22 @@ def test_block_prediction_stub_is_not_attempted(capsys):
     assert "exercise 2: which block shapes lower: not attempted yet" in capsys.readouterr().out
 
 
+RIGHT = {(8, 128), (1020, 128), (8, 1000), (1020, 1000)}
+
+
 @pytest.mark.parametrize("wrong, message", [
-    # "small tiles only": the full-width and whole-array blocks are left out
-    ({(8, 128), (16, 256)}, "case 'block \\(8, 1024\\)': it lowers, but you left it out.*however large"),
-    # "the rows are a multiple of 8, so (1024, 64) is fine"
-    ({(8, 128), (16, 256), (8, 1024), (1024, 64), (1024, 1024)},
-     "case 'block \\(1024, 64\\)': you predicted it lowers, the toolchain rejects it — .*columns 64 are neither "
-     "divisible by 128"),
+    # "only multiples of (8, 128)": the blocks that take a whole dimension of the array are left out
+    ({(8, 128)}, "case 'block \\(1020, 128\\)': it lowers, but you left it out — its rows 1020 are equal to the "
+     "array's.*or equal the array's"),
+    # "the whole array or (8, 128) tiles": a block that takes one whole dimension is left out
+    ({(8, 128), (1020, 1000)}, "case 'block \\(1020, 128\\)': it lowers.*case 'block \\(8, 1000\\)': it lowers, "
+     "but you left it out — its rows 8 are divisible by 8, its columns 1000 are equal to the array's"),
+    # "the rows are a multiple of 8, so (16, 64) is fine"
+    (RIGHT | {(16, 64)}, "case 'block \\(16, 64\\)': you predicted it lowers, the toolchain rejects it — .*columns 64 "
+     "are neither divisible by 128 nor the array's"),
+    # "12 rows: fewer than the array's, so fine"
+    (RIGHT | {(12, 128)}, "case 'block \\(12, 128\\)': you predicted it lowers.*its rows 12 are neither divisible by "
+     "8 nor the array's"),
     ([(8, 128), (4, 100)], "\\[\\(4, 100\\)\\] not among the candidates"),
     (7, "give a set of \\(rows, cols\\) pairs"),
 ])
@@ -164,12 +173,12 @@ def test_block_prediction_wrong_answers_fail_with_their_hint(wrong, message):
 
 
 def test_block_prediction_solution_passes(capsys):
-    nb00.check_block_prediction([[8, 128], (16, 256), (8, 1024), (1024, 1024)])  # lists of lists are fine too
+    nb00.check_block_prediction([[8, 128], (1020, 128), (8, 1000), (1020, 1000)])  # lists of lists are fine too
     assert capsys.readouterr().out.startswith("passed: your prediction matches the TPU toolchain")
-    assert nb00.BLOCK_PREDICTION.use(nb00.block_prediction_solution) == {(8, 128), (16, 256), (8, 1024), (1024, 1024)}
+    assert nb00.BLOCK_PREDICTION.use(nb00.block_prediction_solution) == RIGHT
     assert capsys.readouterr().out.splitlines()[-1] == "exercise 2: which block shapes lower: passed"
 
 
 def test_the_truth_is_the_tiling_rule():
     """The checker asks the toolchain; what it says is the (8, 128)-or-whole-array rule."""
-    assert [nb00.block_lowers(b)[0] for b in nb00.BLOCK_CANDIDATES] == [True, True, True, False, True]
+    assert [nb00.block_lowers(b)[0] for b in nb00.BLOCK_CANDIDATES] == [True, False, False, True, True, True]

@@ -174,8 +174,8 @@ SCALED_ADD = Puzzle(
 # -- exercise 2: which block shapes lower ----------------------------------------------------------------------
 
 
-BLOCK_CANDIDATES = ((8, 128), (16, 256), (8, 1024), (1024, 64), (1024, 1024))
-_ARRAY = (1024, 1024)
+BLOCK_CANDIDATES = ((8, 128), (16, 64), (12, 128), (1020, 128), (8, 1000), (1020, 1000))
+_ARRAY = (1020, 1000)  # neither dimension a multiple of the (8, 128) tile: the rule's "or equal" clause decides
 
 
 def _add_kernel(x_ref, y_ref, o_ref):
@@ -184,11 +184,11 @@ def _add_kernel(x_ref, y_ref, o_ref):
 
 @functools.cache
 def block_lowers(block: tuple[int, int]) -> tuple[bool, str]:
-    """Whether the add kernel with ``block`` tiles lowers for TPU on a float32 ``(1024, 1024)`` array, and what
-    the toolchain said."""
+    """Whether the add kernel with ``block`` tiles lowers for TPU on a float32 ``(1020, 1000)`` array (the grid
+    covers it, partial blocks at the edges), and what the toolchain said."""
     def fn(x, y):
         tile = pl.BlockSpec(block, lambda i, j: (i, j))
-        grid = (_ARRAY[0] // block[0], _ARRAY[1] // block[1])
+        grid = (pl.cdiv(_ARRAY[0], block[0]), pl.cdiv(_ARRAY[1], block[1]))
         return pl.pallas_call(_add_kernel, grid=grid, in_specs=[tile, tile], out_specs=tile,
                               out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype))(x, y)
 
@@ -206,7 +206,7 @@ def _why(block: tuple[int, int]) -> str:
 
 
 def check_block_prediction(prediction: Iterable) -> None:
-    """``prediction``: the set of :data:`BLOCK_CANDIDATES` that lower for a ``(1024, 1024)`` float32 array,
+    """``prediction``: the set of :data:`BLOCK_CANDIDATES` that lower for a ``(1020, 1000)`` float32 array,
     compared with the toolchain's verdict on each one; every wrong one is named with the rule it breaks or keeps."""
     try:
         predicted = {tuple(int(n) for n in block) for block in prediction}
@@ -232,8 +232,8 @@ def check_block_prediction(prediction: Iterable) -> None:
 
 def block_prediction_solution():
     # a block lowers when each of its last two dimensions is divisible by (8, 128) or equals the array's
-    array_rows, array_cols = 1024, 1024
-    candidates = [(8, 128), (16, 256), (8, 1024), (1024, 64), (1024, 1024)]
+    array_rows, array_cols = 1020, 1000
+    candidates = [(8, 128), (16, 64), (12, 128), (1020, 128), (8, 1000), (1020, 1000)]
 
     def lowers(rows, cols):
         return (rows % 8 == 0 or rows == array_rows) and (cols % 128 == 0 or cols == array_cols)
@@ -249,8 +249,10 @@ BLOCK_PREDICTION = Puzzle(
         "The rule is about each of the block's last two dimensions on its own: the rows must be divisible by 8 "
         "*or* equal the array's rows, the columns divisible by 128 *or* equal the array's columns. How large the "
         "block is does not matter to the rule (VMEM is another question).",
-        "Go through the five shapes: `(8, 128)`, `(16, 256)` and `(8, 1024)` tile by `(8, 128)`; `(1024, 1024)` "
-        "is the whole array; `(1024, 64)` has 64 columns, neither a multiple of 128 nor the array's 1024.",
+        "Go through the six shapes one dimension at a time. `(8, 128)` tiles by `(8, 128)`. `(1020, 128)` has all "
+        "of the array's 1020 rows and `(8, 1000)` all of its 1000 columns, so the other clause lets them through, "
+        "and `(1020, 1000)` is the whole array. `(16, 64)` has 64 columns and `(12, 128)` 12 rows: neither a "
+        "multiple nor the array's.",
     ),
     answer_is_value=True,
 )
