@@ -239,8 +239,8 @@ def test_counts_wrong_answers_fail_with_their_hint(wrong, message):
 
 
 def test_counts_solution_passes(capsys):
-    assert nb06.counts_solution() == (12, 18)
-    nb06.COUNTS.use(nb06.counts_solution)
+    assert nb06.skip_counts_solution() == (12, 18)
+    nb06.COUNTS.use(nb06.skip_counts_solution)
     out = capsys.readouterr().out
     assert out.startswith("passed: 12 of 32 steps skipped, 18 k block copies") and "passed" in out.splitlines()[-1]
     nb06.COUNTS.use((12, 18))  # the value itself, worked out on paper

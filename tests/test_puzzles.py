@@ -4,6 +4,8 @@ wired the same way (stub cell, ``NAME.use(...)`` cell, a generated hints cell), 
 
 from __future__ import annotations
 
+import ast
+import builtins
 import importlib
 import json
 import pkgutil
@@ -158,3 +160,51 @@ def test_an_exercise_not_attempted_or_wrong_points_at_its_hints(capsys):
     assert "failed: six — got 7" in out and "exercise 1: six: not passed yet — the hints are below the exercise" in out
     with pytest.raises(ValueError, match="function of no arguments"):
         Puzzle("exercise 2: p", _check_six, 6, ("one", "two"), answer_is_value=True)
+
+
+# -- the last hint level pastes as it is -----------------------------------------------------------------------
+
+
+def _defined_in_code(source: str) -> set[str]:
+    """Names a notebook's code binds at its top level: defs, classes, assignments, imports, loop targets."""
+    tree = ast.parse("\n".join(line for line in source.splitlines() if not line.lstrip().startswith(("%", "!"))))
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            names |= {(alias.asname or alias.name).split(".")[0] for alias in node.names}
+    return names
+
+
+def _free_names(source: str) -> set[str]:
+    """Names ``source`` reads that it does not bind itself (parameters, locals, its own defs) nor Python's builtins."""
+    tree = ast.parse(source)
+    bound = _defined_in_code(source) | set(dir(builtins))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.arg):
+            bound.add(node.arg)
+    return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)} - bound
+
+
+@pytest.mark.parametrize("path", make_hint_cells.NOTEBOOKS, ids=lambda p: p.name[:2])
+def test_each_solution_pastes_over_its_stub(path):
+    """The solution a hints cell ends with defines the names its stub cell defines (so the ``.use`` cell reads the
+    pasted answer), and every other name it reads is one the notebook's code cells bind (no NameError)."""
+    cells = json.loads(path.read_text())["cells"]
+    notebook = _defined_in_code("\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code"))
+    problems = []
+    for index, module, name in make_hint_cells.hint_cells({"cells": cells}):
+        source = make_hint_cells.puzzle(module, name).solution_source()
+        stubs = set()
+        for cell in cells[max(0, index - 3):index]:
+            if cell["cell_type"] == "code" and "NotImplementedError" in "".join(cell["source"]):
+                stubs |= {n.name for n in ast.parse("".join(cell["source"])).body if isinstance(n, ast.FunctionDef)}
+        defined = {n.name for n in ast.parse(source).body if isinstance(n, ast.FunctionDef)}
+        if not stubs <= defined:
+            problems.append(f"{name}: the stub defines {sorted(stubs)}, the solution {sorted(defined)}")
+        if missing := _free_names(source) - notebook:
+            problems.append(f"{name}: the solution reads {sorted(missing)}, which the notebook never binds")
+    assert not problems, f"{path.name}: {problems}"

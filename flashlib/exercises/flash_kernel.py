@@ -27,11 +27,11 @@ from flashlib import cost
 from flashlib.checks import CheckFailed, check_attention
 from flashlib.exercises.flash_kernel_solutions import (
     causal_kv_index_map_solution,
-    counts_solution,
     flash_kernel_causal_solution,
     flash_kernel_softcap_solution,
     flash_kernel_solution,
     pick_blocks_solution,
+    skip_counts_solution,
 )
 from flashlib.exercises.puzzle import Puzzle
 from flashlib.exercises.start_here import traced_eqns
@@ -425,7 +425,7 @@ def check_counts(answer, tokens: int = 1024, block_q: int = 128, block_k: int = 
 COUNTS = Puzzle(
     "exercise 2: count the skipped blocks",
     check_counts,
-    counts_solution,
+    skip_counts_solution,
     (
         "Walk the grid in order, query block `i` outer, key block `j` inner. Query block `i` sees key blocks `0` "
         "to `last = ((i + 1) * block_q - 1) // block_k` (the block of its last query); steps with `j > last` skip "

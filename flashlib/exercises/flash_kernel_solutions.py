@@ -13,7 +13,7 @@ from flashlib.geometry import MASK_VALUE
 from flashlib.kernels import BlockSizes
 from flashlib.kernels.block_sizes import vmem_limit_bytes
 
-__all__ = ["NT_DIMS", "causal_kv_index_map_solution", "counts_solution", "flash_kernel_causal_solution",
+__all__ = ["NT_DIMS", "causal_kv_index_map_solution", "skip_counts_solution", "flash_kernel_causal_solution",
            "flash_kernel_softcap_solution", "flash_kernel_solution", "pick_blocks_solution"]
 
 NT_DIMS = (((1,), (1,)), ((), ()))  # [m, d] x [n, d] -> [m, n]: q @ k.T without a transpose
@@ -103,7 +103,7 @@ def flash_kernel_softcap_solution(q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_
         o_ref[...] = (acc_ref[...] / l_ref[...]).astype(o_ref.dtype)
 
 
-def counts_solution():
+def skip_counts_solution():
     tokens, block_q, block_k = 1024, 128, 256
     skipped, copies, previous = 0, 0, None
     for i in range(tokens // block_q):  # the grid's steps in order: query blocks, then key blocks

@@ -28,6 +28,7 @@ failure TPU interpret mode is reset (:func:`flashlib.checks.reset_interpreter`),
 from __future__ import annotations
 
 import inspect
+import re
 import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,6 +37,8 @@ from typing import Any
 from flashlib.checks import CheckFailed, reset_interpreter
 
 __all__ = ["Puzzle"]
+
+SOLUTION_SUFFIX = re.compile(r"\b(\w+)_solution\b")  # flashlib's name for the answer to the stub ``\1``
 
 
 @dataclass(frozen=True)
@@ -115,10 +118,13 @@ class Puzzle:
         return len(self.hints) + 1
 
     def solution_source(self) -> str:
-        """The solution's source code (its function, or every function a tuple/dict of them holds)."""
+        """The solution's source code (its function, or every function a tuple/dict of them holds), under the
+        names the notebook's stubs use: flashlib's ``x_solution`` is shown as ``x``, so the last hint level
+        pasted over the stub defines what the ``.use`` cell below it reads (a test holds each notebook to it)."""
         parts = self.solution.values() if isinstance(self.solution, dict) else (
             self.solution if isinstance(self.solution, tuple) else (self.solution,))
-        return "\n\n".join(textwrap.dedent(inspect.getsource(part)).rstrip() for part in parts)
+        source = "\n\n\n".join(textwrap.dedent(inspect.getsource(part)).rstrip() for part in parts)
+        return SOLUTION_SUFFIX.sub(r"\1", source)
 
     def hint_text(self, level: int) -> str:
         """Hint ``level`` (1-based) as markdown; the level after the last hint is the solution's code."""

@@ -21,8 +21,8 @@ import numpy as np
 from flashlib.checks import CheckFailed
 from flashlib.exercises.puzzle import Puzzle
 from flashlib.exercises.tiling_solutions import (
-    block_q_solution,
     causal_count_solution,
+    pick_block_q_solution,
     tiled_matmul_solution,
     tiled_pv_solution,
     tiled_scores_solution,
@@ -30,7 +30,8 @@ from flashlib.exercises.tiling_solutions import (
 from flashlib.viz import tiling_steps
 
 __all__ = [
-    "BLOCK_Q", "CAUSAL_COUNT", "TILED_MATMUL", "TILED_PV", "TILED_SCORES", "block_q_solution", "causal_count_solution",
+    "BLOCK_Q", "CAUSAL_COUNT", "TILED_MATMUL", "TILED_PV", "TILED_SCORES", "causal_count_solution",
+    "pick_block_q_solution",
     "check_block_q", "check_causal_count", "check_tiled_matmul", "check_tiled_pv", "check_tiled_scores",
     "tiled_matmul_solution", "tiled_pv_solution", "tiled_scores_solution",
 ]
@@ -232,14 +233,14 @@ _MATMUL_CASES = [
 ]
 
 
-def check_tiled_matmul(my_tiled_matmul: Callable[..., Any]) -> None:
-    """``my_tiled_matmul(a, b, block_m, block_n, block_k, matmul)`` is ``a @ b`` from
+def check_tiled_matmul(tiled_matmul: Callable[..., Any]) -> None:
+    """``tiled_matmul(a, b, block_m, block_n, block_k, matmul)`` is ``a @ b`` from
     ``[block_m, block_k] @ [block_k, block_n]`` tile products, one ``matmul`` call each."""
-    name = "my_tiled_matmul"
+    name = "tiled_matmul"
     for case, (m, kdim, n), (block_m, block_n, block_k) in _MATMUL_CASES:
         a, b = _normal(m, m, kdim), _normal(n + 1, kdim, n)
         matmul = _Recorder()
-        got = my_tiled_matmul(a, b, block_m, block_n, block_k, matmul=matmul)
+        got = tiled_matmul(a, b, block_m, block_n, block_k, matmul=matmul)
         a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
         last, strips = kdim - block_k, (a64 @ b64).reshape(m, n // block_n, block_n)
         _diagnose(name, case, got, a64 @ b64, (m, block_m), (n, block_n), {
@@ -253,7 +254,7 @@ def check_tiled_matmul(my_tiled_matmul: Callable[..., Any]) -> None:
         _check_calls(name, case, matmul.calls, tiles, swapped,
                      f"a [block_m, block_k] tile of a times a [block_k, block_n] tile of b, here "
                      f"[{block_m}, {block_k}] @ [{block_k}, {block_n}]")
-    print(f"passed: my_tiled_matmul is a @ b from one matmul per tile product, in all {len(_MATMUL_CASES)} cases "
+    print(f"passed: tiled_matmul is a @ b from one matmul per tile product, in all {len(_MATMUL_CASES)} cases "
           "(three different block sizes)")
 
 
@@ -366,7 +367,7 @@ def check_block_q(answer: tuple[Any, Any], n: int = 4096, d: int = 128) -> None:
 
 
 BLOCK_Q = Puzzle(
-    "exercise 3: how big a query tile", check_block_q, block_q_solution, (
+    "exercise 3: how big a query tile", check_block_q, pick_block_q_solution, (
         "The rule `2·block_q/d` puts 10x near `block_q = 5·d`; the power of two just above is the first guess. It "
         "is only an estimate because it drops the `n·d` terms: the naive pass also reads `Q`, `K`, `V` and writes "
         "`O`, and the tiled pass reads `Q` and writes `O` once. Check the guess and the power of two below it "

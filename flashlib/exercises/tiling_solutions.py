@@ -8,7 +8,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["block_q_solution", "causal_count_solution", "tiled_matmul_solution", "tiled_pv_solution",
+__all__ = ["pick_block_q_solution", "causal_count_solution", "tiled_matmul_solution", "tiled_pv_solution",
            "tiled_scores_solution"]
 
 
@@ -63,7 +63,7 @@ def causal_count_solution():
     return counts
 
 
-def block_q_solution():
+def pick_block_q_solution():
     n, d, itemsize = 4096, 128, 2  # one bfloat16 head
     naive = itemsize * (4 * n * d + 4 * n * n)  # Q, K, V read, O written; S written, read; P written, read
     for block_q in [2**p for p in range(13)]:  # 1, 2, 4, ..., 4096: the smallest first
