@@ -196,6 +196,12 @@ CLAIMS: dict[str, list[Claim]] = {
         Claim("We pack three MiniLM sentences", r"sentence lengths \[16, 16, 18\] -> one row of 50 tokens"),
         Claim("(query 0-4 with keys 0-6 here)", r"passed: 'segments' is the oracle's mask"),
     ],
+    "11_scaling_out.ipynb": [
+        Claim("so the ring takes 1.87x the ideal time on 8 devices", r"contiguous: the ring takes 1\.87\dx the time"),
+        Claim("(1.87x the ideal\n  time on 8 devices)", r"contiguous: the ring takes 1\.87\dx the time"),
+        Claim("its 6 ports, one per neighbour of its 3D torus, and its 100 GB/s are derived",
+              r"v5p\s+100 GB/s"),
+    ],
 }
 
 

@@ -346,3 +346,10 @@ def test_plot_chunk_pairs_draws_a_square_per_pair_and_a_legend():
     assert labels == sorted(f"{d},{s}" for d in range(3) for s in range(2))  # one square per (step, device) pair
     assert [t.get_text() for t in ax.get_legend().get_texts()] == ["full", "diagonal", "skip"]
     assert len([p for p in ax.patches if p.__class__.__name__ == "Polygon"]) == 4  # 2 diagonals, two halves each
+
+
+def test_plot_ring_work_outlines_every_busiest_device_and_none_where_all_tie():
+    work = np.array([[2, 2, 2, 2], [0, 4, 4, 1], [0, 0, 3, 4]])  # a tie of all, a tie of two, one busiest
+    ax = viz.plot_ring_work(work).axes[0]
+    outlined = sorted((round(p.get_y() + 0.5), round(p.get_x() + 0.5)) for p in ax.patches)
+    assert outlined == [(1, 1), (1, 2), (2, 3)]  # (step, device)

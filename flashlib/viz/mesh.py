@@ -73,13 +73,15 @@ def plot_ring_step(step: int, queries: Sequence[Sequence[int]], holding: Sequenc
 def plot_ring_work(work: np.ndarray, *, vmax: float | None = None, title: str | None = None,
                    ax: Axes | None = None) -> Figure:
     """``work [steps, devices]`` as a heat map (0 to ``vmax``, default its own maximum: pass one ``vmax`` to
-    compare two maps), each step's busiest device outlined: the ring waits for it."""
+    compare two maps), each step's busiest devices outlined, every one tied at the maximum: the ring waits for
+    them. A step where every device does the same work outlines none (no device holds the others up)."""
     work = np.asarray(work, np.float64)
     fig, ax = figure_and_axes(ax, (4.6, 3.6))
     ax.imshow(work, cmap="YlOrBr", vmin=0, vmax=vmax or max(work.max(), 1.0), aspect="auto")
-    for s in range(work.shape[0]):
-        d = int(np.argmax(work[s]))
-        ax.add_patch(Rectangle((d - 0.5, s - 0.5), 1, 1, fill=False, edgecolor=PALETTE["masked"], linewidth=1.5))
+    for s, row in enumerate(work):
+        busiest = np.flatnonzero(row == row.max())
+        for d in busiest if len(busiest) < len(row) else ():
+            ax.add_patch(Rectangle((d - 0.5, s - 0.5), 1, 1, fill=False, edgecolor=PALETTE["masked"], linewidth=1.5))
     ax.set_xlabel("device")
     ax.set_ylabel("ring step")
     ax.set_xticks(range(work.shape[1]))
