@@ -5,12 +5,14 @@ its mistake) and the solution (it passes). The kernels run under ``pltpu.Interpr
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax import lax
 from jax.experimental import pallas as pl
 
 from flashlib import cost
 from flashlib.checks import CheckFailed
+from flashlib.exercises import compaction
 from flashlib.exercises import flash_kernel as nb06
 from flashlib.exercises.flash_kernel_solutions import NT_DIMS
 from flashlib.geometry import MASK_VALUE
@@ -279,3 +281,73 @@ def test_budget_stub_is_not_attempted_and_the_solution_passes(capsys):
     nb06.BUDGET.use(nb06.pick_blocks_solution)
     out = capsys.readouterr().out
     assert out.startswith("passed: the biggest blocks that fit") and "fit a budget: passed" in out
+
+
+# -- puzzle 3: the compacted causal grid (flashlib.exercises.compaction) --------------------------------------
+
+
+def _schedule(*, keep="<=", minus_one=True, order="q major", last="diagonal", first="first"):
+    """A causal_schedule with one mistake switched on (the defaults make it right)."""
+    def causal_schedule(num_q_blocks, num_kv_blocks, *, block_q, block_k, offset):
+        pairs = []
+        for i in range(num_q_blocks):
+            limit = (i + 1) * block_q - (1 if minus_one else 0) + offset  # the last key query block i sees
+            live = [j for j in range(num_kv_blocks) if keep == "all" or (
+                j * block_k <= limit if keep == "<=" else j * block_k < limit)]
+            pairs += [(i, j, j == live[0], j == (live[-1] if last == "diagonal" else num_kv_blocks - 1))
+                      for j in live]
+        if order == "kv major":
+            pairs.sort(key=lambda pair: (pair[1], pair[0]))
+        q_block, kv_block, is_first, is_last = (np.array(x, np.int32) for x in zip(*pairs, strict=True))
+        if first == "last":
+            is_first = is_last
+        return q_block, kv_block, is_first, is_last
+    return causal_schedule
+
+
+def _map(which="q", *, step=False, head_block=0):
+    def index_map(b, h, t, q_block_ref, kv_block_ref, first_ref, last_ref):
+        table = q_block_ref if which == "q" else kv_block_ref
+        return b, h, (t if step else table[t]), head_block
+    return index_map
+
+
+def test_compaction_stub_falls_back_to_the_solution(capsys):
+    solution = (compaction.causal_schedule_solution, compaction.compact_q_index_map_solution,
+                compaction.compact_kv_index_map_solution)
+    assert compaction.COMPACTED_GRID.use((_stub, _stub, _stub)) == solution
+    assert "not attempted yet" in capsys.readouterr().out
+    compaction.COMPACTED_GRID.use((compaction.causal_schedule_solution, _stub, _stub))  # the tables, no maps yet
+    assert "not attempted yet" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("wrong, message", [
+    ((_schedule(keep="all"), _map("q"), _map("kv")), "case '256 queries, 256 keys.* the full 4 x 4 grid"),
+    ((_schedule(minus_one=False), _map("q"), _map("kv")),
+     "case '256 queries, 256 keys.*query block 0 visits key blocks 0 to 1, one too many.*is the - 1 missing"),
+    ((_schedule(keep="<"), _map("q"), _map("kv")),
+     "case '128 queries over 193 keys.*query block 0 visits key blocks 0 to 0, one too few.*a < where <= belongs"),
+    ((_schedule(order="kv major"), _map("q"), _map("kv")), "the right live pairs in the wrong order"),
+    ((_schedule(last="end"), _map("q"), _map("kv")), "last is 0 at live step 0 .*it marks key block num_kv_blocks - 1"),
+    ((_schedule(first="last"), _map("q"), _map("kv")),
+     "first is 0 at live step 1 .*query block's first live step \\(key block 0\\): init runs there"),
+    ((_schedule(), _map("q", step=True), _map("kv")),
+     "q_index_map at live step t=1 returns query block 1, the grid step itself"),
+    ((_schedule(), _map("kv"), _map("q")),
+     "q_index_map at live step t=1 returns query block 1, the other table's entry"),
+    ((lambda *a, **k: [(0, 0, 1, 1)], _map("q"), _map("kv")), "return four 1-D integer tables"),
+    # mutants of the solution (tests/mutants.py): the head dimension's block index 1 or -1
+    ((_schedule(), _map("q"), _map("kv", head_block=1)), "kv_index_map at live step t=0 .* block 0 of the head"),
+], ids=["full grid", "no - 1", "strict <", "kv major", "last at the end", "first swapped with last",
+        "map returns t", "maps swapped", "pairs, not tables", "head block 1"])
+def test_compaction_wrong_answers_fail_with_their_hint(wrong, message):
+    with pytest.raises(CheckFailed, match=message):
+        compaction.check_compaction(wrong)
+
+
+def test_compaction_solution_passes(capsys):
+    compaction.check_compaction((compaction.causal_schedule_solution, compaction.compact_q_index_map_solution,
+                                 compaction.compact_kv_index_map_solution))
+    out = capsys.readouterr().out
+    assert out.startswith("passed: compacted grid") and "10 of 16, 20 of 24, 2 of 2, 6 of 8, 4 of 4" in out, out
+    compaction.check_compaction((_schedule(), _map("q"), _map("kv")))  # the same tables, by comparisons

@@ -19,6 +19,8 @@ module                      notebook  what the learner writes
 ``flash_jax``               04        blockwise flash attention with causal masking and padding
 ``pallas_basics``           05        a BlockSpec / index-map kernel, an accumulator kernel
 ``flash_kernel``            06        the forward kernel's body, causal skipping with a clamped index map
+``compaction``              06        the compacted causal grid: the live steps' tables and the
+                                      ``PrefetchScalarGridSpec`` index maps that read them
 ``backward``                07        the dK/dV kernel with causal skipping, the dQ kernel
 ``performance``             08        block sizes chosen by the compiler's estimate under a VMEM budget
 ``variants``                09        the element rule of causal + window + segments, a soft-cap and a sink in
