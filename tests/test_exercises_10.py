@@ -213,12 +213,15 @@ def test_wrong_writes_are_named(answer, message):
 # -- puzzle 3: the paged decode kernel (its index map and body), run under TPU interpret semantics --------------
 
 
-def _variant(fn, old: str, new: str):
-    """``fn`` (a solution) with one piece of its source replaced: a learner's plausible mistake."""
+def _variant(fn, *changes):
+    """``fn`` (a solution) with pieces of its source replaced (``old, new`` or ``(old, new), (old, new), ...``): a
+    learner's plausible mistake."""
     source = textwrap.dedent(inspect.getsource(fn))
-    assert old in source, old
+    for old, new in changes if isinstance(changes[0], tuple) else [changes]:
+        assert old in source, old
+        source = source.replace(old, new)
     namespace = dict(fn.__globals__)
-    exec(compile(source.replace(old, new), f"<{fn.__name__} variant>", "exec"), namespace)  # noqa: S102
+    exec(compile(source, f"<{fn.__name__} variant>", "exec"), namespace)  # noqa: S102
     return namespace[fn.__name__]
 
 
@@ -232,7 +235,7 @@ def test_the_paged_decode_kernel_stub_is_not_attempted_and_the_solution_passes(c
     assert puzzle.use(puzzle.solution) is puzzle.solution
     out = capsys.readouterr().out
     assert "passed: paged decode kernel" in out and "copies 21 pages for 9 sequences" in out
-    assert puzzle.levels == 3 and "def page_index_map_solution" in puzzle.solution_source()
+    assert puzzle.levels == 3 and "def page_index_map(" in puzzle.solution_source()
 
 
 @pytest.mark.parametrize("kernel_change, map_change, message", [
@@ -241,6 +244,7 @@ def test_the_paged_decode_kernel_stub_is_not_attempted_and_the_solution_passes(c
     (None, ("lax.div(lengths_ref[b] + page_size - 1, page_size) - 1", "lax.div(lengths_ref[b], page_size)"),
      "16 tokens fill exactly 1 page, so the last live page is index 0"),
     (None, ("b * pages_per_seq +", "b +"), "of the flattened table"),
+    (None, ("jnp.minimum(j, last)", "min(j, last)"), r"use jnp.minimum \(the index map is traced\)"),
     (None, (", 0, 0  #", "  #"), r"return the pool block \(page, 0, 0\)"),
     (None, ("lax.div(lengths_ref[b] + page_size - 1, page_size)", "(lengths_ref[b] + page_size - 1) // page_size"),
      "divides a traced int with //"),
@@ -259,9 +263,17 @@ def test_the_paged_decode_kernel_stub_is_not_attempted_and_the_solution_passes(c
     (("s = jnp.where(key < length, s, MASK_VALUE)", "pass"), None,
      "the tail of the partly filled last page is not masked"),
     (("v = jnp.where(slot < length, v_ref[...], 0.0)", "v = v_ref[...]"), None,
-     r"NaN from the stale slots past the length: .* 0 \* NaN is NaN"),
+     r"NaN from the stale VALUES past the length: .* 0 \* NaN is NaN, so zero the values too .* an iota over v's"),
     (("v = jnp.where(slot < length, v_ref[...], 0.0)", "v = jnp.where(slot <= length, v_ref[...], 0.0)"), None,
-     "NaN from the stale slots past the length"),
+     "NaN from the stale VALUES past the length"),
+    # the values zeroed, but the stale keys' NaN scores kept by an additive mask or a mask on p
+    (("s = jnp.where(key < length, s, MASK_VALUE)", "s = s + jnp.where(key < length, 0.0, MASK_VALUE)"), None,
+     r"NaN from the stale KEYS past the length: .* s = jnp.where\(position < length, s, MASK_VALUE\)"),
+    ((("s = jnp.where(key < length, s, MASK_VALUE)", "live = key < length"),
+      ("jnp.exp(s - m_next)\n", "jnp.exp(s - m_next) * live\n")), None, "NaN from the stale KEYS past the length"),
+    ((("s = jnp.where(key < length, s, MASK_VALUE)", "s = s + jnp.where(key < length, 0.0, MASK_VALUE)"),
+      ("v = jnp.where(slot < length, v_ref[...], 0.0)", "v = v_ref[...]")), None,
+     "NaN from both the stale keys and the stale values"),
     # the online update
     (("alpha, p = jnp.exp(m_prev - m_next), jnp.exp(s - m_next)", "alpha, p = 1.0, jnp.exp(s - m_next)"), None,
      "l and acc are not rescaled"),

@@ -172,6 +172,9 @@ CLAIMS: dict[str, list[Claim]] = {
         Claim("was 5.77x the HBM floor in section 5", r"128-token pages one a step: 5\.77x the floor"),
         Claim("(4 x 512: 1.05x, a lower bound)", r"512-token pages four a step: 1\.05x"),
         Claim("at 8 FLOP/B the MXUs wait on HBM", r"contiguous: 8 FLOP/B, \d+% to \d+% of the roof"),
+        Claim("of ~241 on v5e", r"intensity 8 FLOP/B vs ridge 241 -> memory bound"),
+        Claim("8 for GQA 8:1 in bf16 against v5e's ridge of ~241", r"intensity 8 FLOP/B vs ridge 241"),
+        Claim("(`pages_per_step`, 16 x 128 = 2048 keys: 1.76x)", r"paged\s+128\s+16\s+2048\s+1\.764"),
     ],
     "09_masks_and_variants.ipynb": [
         Claim("in interpret mode here, on 128 queries over 256 keys",

@@ -324,6 +324,22 @@ def test_plot_block_table_draws_an_arrow_per_live_page_and_marks_the_rest():
     assert len(big.axes[0].patches) < 30
 
 
+def test_plot_paged_grid_copies_each_live_page_once_and_skips_the_rest():
+    table = np.array([[7, 2, 9, 0], [5, 11, 3, 8]])
+    fig = viz.plot_paged_grid(table, [13, 6], page_size=4)
+    texts = _text_list(fig)
+    copies = [t for t in texts if t.startswith("copy page")]
+    assert copies == ["copy page 7", "copy page 2", "copy page 9", "copy page 0", "copy page 5", "copy page 11"]
+    assert texts.count("page 11 again:\nno copy") == 2 and texts.count("compute skipped") == 2  # table's 3, 8 unread
+    assert "key 12\n3 slots masked" in texts and "keys 4–5\n2 slots masked" in texts and "keys 8–11" in texts
+    assert "step j = 0 (init)" in texts and "step j = 3 (finalize)" in texts
+    with pytest.raises(ValueError, match="one length per row"):
+        viz.plot_paged_grid(table, [13], page_size=4)
+    with pytest.raises(ValueError, match="lengths must be from 1 to 16"):
+        viz.plot_paged_grid(table, [0, 6], page_size=4)
+    big = viz.plot_paged_grid(np.array([[1, 0, 2]]), [300], page_size=256)  # one bar a page, not 256 slots
+    assert len(big.axes[0].patches) < 30 and "keys 256–299\n212 slots masked" in _text_list(big)
+
 def test_split_weights_and_plot_split_kv():
     m, l = [1.0, 3.0, -np.inf], [2.0, 1.0, 0.0]  # noqa: E741
     top, total, weights = viz.split_weights(m, l)

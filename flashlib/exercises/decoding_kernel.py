@@ -35,7 +35,7 @@ __all__ = ["PAGED_DECODE_KERNEL", "check_paged_decode", "page_index_map_solution
 
 # -- the solution ------------------------------------------------------------------------------------------------
 def paged_decode_kernel_solution(lengths_ref, table_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref, *,
-                                 scale, page_size):
+        scale, page_size):
     b, j = pl.program_id(0), pl.program_id(1)
     length = lengths_ref[b]  # this sequence's cached tokens (SMEM, scalar prefetch)
 
@@ -120,9 +120,10 @@ CASE = ("six sequences: 64 tokens (every page full), 37 (a partly filled last pa
         "exactly on a page boundary), 48 and 20 with every score far below zero (about -150)")
 
 
-def _case(stale=np.nan):
+def _case(stale=np.nan, stale_v=None):
     """A pool whose live pages are shuffled into the table; every slot holding no live token (the tail of a
-    partly filled page, the pages past a length, which the table's dead entries name) is ``stale``."""
+    partly filled page, the pages past a length, which the table's dead entries name) is ``stale`` in the keys
+    and ``stale_v`` (default ``stale``) in the values."""
     rng = np.random.default_rng(10)
     live = [-(-n // PAGE) for n in LENGTHS]
     order = rng.permutation(NUM_PAGES)
@@ -136,7 +137,7 @@ def _case(stale=np.nan):
     for b, n in enumerate(LENGTHS):
         for t in range(n):
             holds[table[b, t // PAGE], t % PAGE] = True
-    k[~holds], v[~holds] = stale, stale
+    k[~holds], v[~holds] = stale, stale if stale_v is None else stale_v
     return q, k, v, table, np.asarray(LENGTHS, np.int32)
 
 
@@ -176,16 +177,33 @@ _FROM_ZERO = ("the sequences whose scores are all near -150 come out wrong: the 
               "maximum replaces it")
 
 
+_STALE_VALUES = ("NaN from the stale VALUES past the length: a masked score gives p = 0, but 0 * NaN is NaN, so zero "
+                 "the values too before p @ v: v = jnp.where(slot < length, v_ref[...], 0.0), with slot = j * "
+                 "page_size + lax.broadcasted_iota(jnp.int32, v_ref.shape, 0), an iota over v's rows [page_size, d]")
+_STALE_KEYS = ("NaN from the stale KEYS past the length: their scores are NaN, and adding a mask (NaN + "
+               "MASK_VALUE) or multiplying p by one (0 * NaN) keeps them NaN; replace them with "
+               "s = jnp.where(position < length, s, MASK_VALUE), before the maximum")
+
+
 def _diagnose(out, kernel, index_map) -> None:
     where = f"failed: paged decode kernel, case '{CASE}'"
     q, k, v, table, lengths = _case()
-    if np.isnan(np.asarray(out)).any():  # the same case with finite stale slots tells stale values from the rest
-        q, k, v, table, lengths = _case(stale=2.0)
-        out = _call(kernel, index_map, q, k, v, table, lengths)
-        if _near(out, _emulate(q, k, v, table, lengths)):
-            raise CheckFailed(f"{where} — NaN from the stale slots past the length: a masked score gives p = 0, but "
-                              "0 * NaN is NaN, so zero the values too, v = jnp.where(position < length, v, 0), "
-                              "before p @ v")
+    if np.isnan(np.asarray(out)).any():  # refill the stale keys, the stale values, or both, with finite numbers:
+        def fixed(stale, stale_v):      # which NaN reaches the output names the fix
+            case = _case(stale, stale_v)
+            got = _call(kernel, index_map, *case)
+            return _near(np.asarray(got)[:FAR], _emulate(*case)[:FAR]), got, case
+
+        stale_nan = np.isnan(np.asarray(out)[:FAR]).any()  # sequence 1's last page has stale slots
+        both_fixed, out, (q, k, v, table, lengths) = fixed(2.0, 2.0)
+        if stale_nan and both_fixed:
+            keys_fixed, values_fixed = fixed(2.0, np.nan)[0], fixed(np.nan, 2.0)[0]
+            if values_fixed and not keys_fixed:
+                raise CheckFailed(f"{where} — {_STALE_VALUES}")
+            if keys_fixed and not values_fixed:
+                raise CheckFailed(f"{where} — {_STALE_KEYS}")
+            raise CheckFailed(f"{where} — NaN from both the stale keys and the stale values past the length: "
+                              f"{_STALE_KEYS}; and {_STALE_VALUES}")
         if np.isnan(np.asarray(out)[:FAR]).any():
             raise CheckFailed(f"{where} — {_NAN}")
     out = np.asarray(out, np.float64)
@@ -238,8 +256,13 @@ def _check_index_map(index_map: Callable) -> list[list[int]]:
             raise CheckFailed(f"{case} — got page {got[0]}, expected {table[b, min(j, last)]} (table row "
                               f"{table[b].tolist()}): the entry b * pages_per_seq + min(j, last) of the flattened "
                               "table")
-    jaxpr = jax.make_jaxpr(functools.partial(index_map, page_size=PAGE, pages_per_seq=PAGES_PER_SEQ))(
-        jnp.int32(0), jnp.int32(0), jnp.asarray(lengths, jnp.int32), flat).jaxpr
+    try:  # Pallas traces the index map: Python's min, max or if on a traced int cannot run there
+        jaxpr = jax.make_jaxpr(functools.partial(index_map, page_size=PAGE, pages_per_seq=PAGES_PER_SEQ))(
+            jnp.int32(0), jnp.int32(0), jnp.asarray(lengths, jnp.int32), flat).jaxpr
+    except jax.errors.ConcretizationTypeError as error:  # TracerBoolConversionError among them
+        raise CheckFailed("failed: page index map — right pages on concrete ints, but Pallas traces the index map, "
+                          "and Python's min, max or if needs a concrete bool of a traced int "
+                          f"({type(error).__name__}): use jnp.minimum (the index map is traced)") from None
     if "sign" in _primitives(jaxpr):
         raise CheckFailed("failed: page index map — it divides a traced int with //, which lowers through sign(): "
                           "Mosaic cannot lower that on a TPU; divide with lax.div (both operands >= 0 here)")

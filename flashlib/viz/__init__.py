@@ -10,15 +10,15 @@ One module per kind of picture — :mod:`~flashlib.viz.tiles` (attention maps, t
 :mod:`~flashlib.viz.masks` (the variants: visibility, block plans, soft-cap, head groups),
 :mod:`~flashlib.viz.online_softmax`, :mod:`~flashlib.viz.memory`, :mod:`~flashlib.viz.mesh` (a device mesh,
 the ring's steps and work), :mod:`~flashlib.viz.ring` (the causal ring's chunk pairs),
-:mod:`~flashlib.viz.decode` (a block table, split-KV's merge), :mod:`~flashlib.viz.tpu` (the chip, a matmul
-step), :mod:`~flashlib.viz.figures` (palette, figures, filmstrips, animations) — and every public name here,
-so a notebook needs only ``from flashlib import viz``.
+:mod:`~flashlib.viz.decode` (a block table, the paged kernel's grid, split-KV's merge), :mod:`~flashlib.viz.tpu`
+(the chip, a matmul step), :mod:`~flashlib.viz.figures` (palette, figures, filmstrips, animations) — and every
+public name here, so a notebook needs only ``from flashlib import viz``.
 
 One palette for the whole series (:data:`PALETTE`): Q blue, K orange, V green, O purple, scores gold,
 masked red hatching, skipped grey.
 """
 
-from flashlib.viz.decode import plot_block_table, plot_split_kv, split_weights
+from flashlib.viz.decode import plot_block_table, plot_paged_grid, plot_split_kv, split_weights
 from flashlib.viz.figures import PALETTE, SERIES_COLORS, animate, filmstrip, format_bytes, new_figure, to_jshtml
 from flashlib.viz.masks import (
     KINDS,
@@ -50,7 +50,7 @@ __all__ = [
     "block_plan", "filmstrip", "format_bytes", "new_figure", "online_softmax_trace", "plot_attention_map",
     "plot_block_plan", "plot_block_table", "plot_chunk_pairs", "plot_fetch_schedule", "plot_hbm_traffic",
     "plot_head_groups", "plot_kv_schedule", "plot_matmul_step", "plot_memory_scaling", "plot_mesh",
-    "plot_online_softmax_step", "plot_q_schedule", "plot_ring_step", "plot_ring_work", "plot_softcap",
-    "plot_split_kv", "plot_tiling_step", "plot_tpu_anatomy", "plot_visibility", "plot_vmem_budget", "split_weights",
-    "tiling_steps", "to_jshtml", "visibility",
+    "plot_online_softmax_step", "plot_paged_grid", "plot_q_schedule", "plot_ring_step", "plot_ring_work",
+    "plot_softcap", "plot_split_kv", "plot_tiling_step", "plot_tpu_anatomy", "plot_visibility", "plot_vmem_budget",
+    "split_weights", "tiling_steps", "to_jshtml", "visibility",
 ]

@@ -1,5 +1,5 @@
-"""Pictures of decoding (notebook 10): a block table mapping each sequence's pages to pages of the pool, and
-split-KV's partial softmax states merged into one.
+"""Pictures of decoding (notebook 10): a block table mapping each sequence's pages to pages of the pool, the
+paged decode kernel's grid walking those pages, and split-KV's partial softmax states merged into one.
 
 Plain numbers in (a block table and lengths; each split's key range and its ``m`` and ``l``), a figure out;
 nothing here imports :mod:`flashlib.decode`.
@@ -17,7 +17,7 @@ from matplotlib.patches import FancyArrowPatch, Rectangle
 
 from flashlib.viz.figures import PALETTE, SERIES_COLORS, draw_tile, figure_and_axes
 
-__all__ = ["plot_block_table", "plot_split_kv", "split_weights"]
+__all__ = ["plot_block_table", "plot_paged_grid", "plot_split_kv", "split_weights"]
 
 SEQUENCE_COLORS = SERIES_COLORS[1:]  # one colour per sequence (blue, green, purple, ...)
 
@@ -31,6 +31,7 @@ def _hide_axes(ax: Axes) -> None:
 
 
 PAGE_WIDTH, PITCH = 4.0, 1.6  # a page's width and the rows' pitch, in data units
+SKIPPED_INK = "#888888"  # text about skipped steps: the skipped grey, dark enough to read
 
 
 def _draw_page(ax: Axes, x: float, y: float, page_size: int, filled: int, color: str) -> None:
@@ -98,6 +99,60 @@ def plot_block_table(block_table: npt.ArrayLike, lengths: Sequence[int], page_si
     _hide_axes(ax)
     ax.set_title(title or f"token t of sequence b: slot t % {page_size} of pool page block_table[b, t // "
                  f"{page_size}]", fontsize=9)
+    return fig
+
+
+def plot_paged_grid(block_table: npt.ArrayLike, lengths: Sequence[int], page_size: int, *, ax: Axes | None = None,
+                    title: str | None = None) -> Figure:
+    """The paged decode kernel's grid ``(batch, pages_per_seq)``: one row per sequence, one column per step ``j``.
+    A step up to the sequence's last live page copies pool page ``block_table[b, j]`` (its tokens in the
+    sequence's colour, the slots at and past the length hatched: masked) and computes it; past it the index map
+    names the last live page again, so Pallas issues no copy, and ``pl.when`` skips the compute (grey)."""
+    table = np.asarray(block_table)
+    if table.ndim != 2 or len(lengths) != table.shape[0]:
+        raise ValueError(f"block_table must be [batch, pages_per_seq] with one length per row, got {table.shape} "
+                         f"and {len(lengths)} lengths")
+    batch, steps = table.shape
+    if any(not 1 <= n <= steps * page_size for n in lengths):
+        raise ValueError(f"lengths must be from 1 to {steps * page_size}, got {list(lengths)}")
+    col, pitch = PAGE_WIDTH + 2.2, 3.4  # a step's width and a sequence's height, in data units
+    top = (batch - 1) * pitch
+    fig, ax = figure_and_axes(ax, (1.6 + 1.55 * steps, 1.0 + 1.0 * batch))
+    for b in range(batch):
+        n, color, y = int(lengths[b]), SEQUENCE_COLORS[b % len(SEQUENCE_COLORS)], top - b * pitch
+        last = -(-n // page_size) - 1
+        ax.text(-0.5, y + 0.5, f"sequence {b}\n{n} tokens", ha="right", va="center", fontsize=8, color=color)
+        for j in range(steps):
+            x, page = j * col, int(table[b, min(j, last)])
+            if j > last:  # the same block index as the step before: no copy, and pl.when skips the body
+                ax.add_patch(Rectangle((x, y), PAGE_WIDTH, 1.0, facecolor=PALETTE["skipped"], alpha=0.35,
+                                       edgecolor=PALETTE["skipped"], lw=1.2, ls="--"))
+                ax.text(x + PAGE_WIDTH / 2, y + 1.25, f"page {page} again:\nno copy", ha="center", va="bottom",
+                        fontsize=7, color=SKIPPED_INK)
+                ax.text(x + PAGE_WIDTH / 2, y - 0.2, "compute skipped", ha="center", va="top", fontsize=7,
+                        color=SKIPPED_INK)
+                continue
+            filled = min(n - j * page_size, page_size)
+            _draw_page(ax, x, y, page_size, filled, color)
+            if filled < page_size:  # the tail of the last page: stale slots, masked
+                tail_x = x + PAGE_WIDTH * filled / page_size
+                ax.add_patch(Rectangle((tail_x, y), x + PAGE_WIDTH - tail_x, 1.0, facecolor="none", hatch="///",
+                                       edgecolor=PALETTE["masked"], lw=0.0))
+            ax.text(x + PAGE_WIDTH / 2, y + 1.25, f"copy page {page}", ha="center", va="bottom", fontsize=7,
+                    color=PALETTE["ink"], fontweight="bold")
+            first, end = j * page_size, j * page_size + filled - 1
+            keys = f"keys {first}–{end}" if end > first else f"key {first}"
+            masked = f"\n{page_size - filled} slot{'s' * (page_size - filled > 1)} masked" if filled < page_size else ""
+            ax.text(x + PAGE_WIDTH / 2, y - 0.2, keys + masked, ha="center", va="top", fontsize=7,
+                    color=PALETTE["masked"] if masked else PALETTE["ink"])
+    for j in range(steps):
+        phase = " (init)" if j == 0 else " (finalize)" if j == steps - 1 else ""
+        ax.text(j * col + PAGE_WIDTH / 2, top + 2.5, f"step j = {j}{phase}", ha="center", va="bottom", fontsize=8)
+    ax.set_xlim(-4.2, steps * col - 1.4)
+    ax.set_ylim(-1.6, top + 3.3)
+    _hide_axes(ax)
+    ax.set_title(title or "the grid (batch, pages_per_seq): step j copies page block_table[b, min(j, last live page)]",
+                 fontsize=9)
     return fig
 
 
