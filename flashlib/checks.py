@@ -8,9 +8,7 @@ implementation's error may be at most twice the error of the naive implementatio
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import jax
 import numpy as np
@@ -25,7 +23,6 @@ __all__ = [
     "check_attention_and_grads",
     "check_attention_grads",
     "check_close",
-    "exercise",
     "reset_interpreter",
     "tolerance",
 ]
@@ -289,19 +286,3 @@ def reset_interpreter() -> None:
     if reset is not None:
         reset()
 
-
-def exercise(name: str, attempt: Callable[[], Any], checker: Callable[[Any], object]) -> None:
-    """Run an exercise: ``attempt()`` produces the reader's answer, ``checker(answer)`` prints passed or raises.
-
-    A stub that still raises ``NotImplementedError`` — when ``attempt()`` calls it, or when the checker does
-    (``attempt`` may return the reader's function itself, as for :mod:`flashlib.exercises`) — is reported as
-    not attempted (no traceback), so a notebook with unsolved exercises still runs top to bottom. Any other
-    error leaves TPU interpret mode clean for the next kernel (:func:`reset_interpreter`) and propagates.
-    """
-    try:
-        checker(attempt())
-    except NotImplementedError:
-        print(f"{name}: not attempted yet — fill in the stub above, then run this cell again")
-    except Exception:
-        reset_interpreter()
-        raise
