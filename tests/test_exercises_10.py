@@ -235,7 +235,7 @@ def test_the_paged_decode_kernel_stub_is_not_attempted_and_the_solution_passes(c
     assert puzzle.use(puzzle.solution) is puzzle.solution
     out = capsys.readouterr().out
     assert "passed: paged decode kernel" in out and "copies 21 pages for 9 sequences" in out
-    assert puzzle.levels == 3 and "def page_index_map(" in puzzle.solution_source()
+    assert puzzle.levels == 4 and "def page_index_map(" in puzzle.solution_source()
 
 
 @pytest.mark.parametrize("kernel_change, map_change, message", [

@@ -229,11 +229,11 @@ MERGE_SPLITS = Puzzle(
     check_merge_splits,
     merge_splits_solution,
     (
-        "Each split's `acc` and `l` are measured against its own maximum `m_i`. Against a common maximum `m` (the "
-        "largest `m_i`) they become `acc_i e^(m_i - m)` and `l_i e^(m_i - m)`, and then they simply add.",
-        "`m = m.max(axis=0)`; a row no split saw has `m = -inf`, so exponentiate against a safe maximum "
-        "(`jnp.where(jnp.isfinite(m), m, 0.0)`); sum the rescaled `l` and `acc` over axis 0, and divide once, "
-        "only where the summed `l` is positive (the output is 0 elsewhere).",
+        "Each split's `acc` and `l` are measured against its own maximum `m_i`. Against a common maximum `M` (the "
+        "largest `m_i`) they become `acc_i e^(m_i - M)` and `l_i e^(m_i - M)`, and then they simply add.",
+        "`M = m.max(axis=0)` (the argument `m` stacks the `m_i`); a row no split saw has `M = -inf`, so exponentiate "
+        "against a safe maximum (`M` where it is finite, 0 elsewhere); sum the rescaled `l` and `acc` over axis 0, "
+        "and divide once, only where the summed `l` is positive (the output is 0 elsewhere).",
     ),
 )
 

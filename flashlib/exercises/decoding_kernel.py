@@ -310,16 +310,24 @@ PAGED_DECODE_KERNEL = Puzzle(
     check_paged_decode,
     (paged_decode_kernel_solution, page_index_map_solution),
     (
-        "The index map is puzzle 2 on refs: `length = lengths_ref[b]`, the last live page `lax.div(length + "
-        "page_size - 1, page_size) - 1` (`lax.div`: Mosaic cannot lower `//` on traced ints), and the pool block "
-        "`(table_ref[b * pages_per_seq + jnp.minimum(j, last)], 0, 0)` — the table is flattened. The kernel has "
-        "notebook 06's three phases by `j = pl.program_id(1)`: init under `pl.when(j == 0)`, the page under "
-        "`pl.when(j * page_size < length)`, finalize (`acc / l`) under `pl.when(j == pl.num_programs(1) - 1)`.",
-        "Inside the page's `pl.when`: `s = lax.dot_general(q_ref[...], k_ref[...], NT_DIMS, "
-        "preferred_element_type=jnp.float32) * scale` (`[rows, page_size]`); positions `j * page_size + "
-        "lax.broadcasted_iota(jnp.int32, s.shape, 1)`; `s = jnp.where(position < length, s, MASK_VALUE)`; and the "
-        "values too, `v = jnp.where(slot < length, v_ref[...], 0.0)` with the slots' positions from an iota of "
-        "`v_ref.shape` along axis 0 — a stale NaN times p = 0 is still NaN. Then notebook 06's online update with "
-        "`v` in place of `v_ref[...]`.",
+        "Two functions, two jobs. The index map is puzzle 2 again: only its length and table row now come from "
+        "SMEM refs, and its step is a traced int. The kernel is notebook 06's forward kernel walking pages instead "
+        "of key blocks; what is new is deciding, from `lengths_ref[b]`, which steps do any work and which keys of "
+        "a page count.",
+        "The index map: count the live pages (a page partly filled is live), clamp `j` to the last of them with "
+        "`jnp.minimum`, and read the table at row `b`'s offset, `b * pages_per_seq`. The kernel: `b, j = "
+        "pl.program_id(0), pl.program_id(1)` and `length = lengths_ref[b]`, then three `pl.when` blocks — init on "
+        "the first step, the online update while the page starts before the length, and `acc / l` into `o_ref` "
+        "on the last step (`pl.num_programs(1) - 1`), whether or not that step was skipped. In the update, a key's "
+        "position is `j * page_size` plus its column: positions at or past the length are masked, in the scores "
+        "and in the values.",
+        "The live pages are `lax.div(length + page_size - 1, page_size)` (`lax.div` truncates toward zero, so "
+        "`-lax.div(-length, page_size)` is not a ceiling; `//` does not lower on traced ints), the block "
+        "`(table_ref[b * pages_per_seq + jnp.minimum(j, last)], 0, 0)`. The page runs under `pl.when(j * page_size "
+        "< length)`: `s = lax.dot_general(q_ref[...], k_ref[...], NT_DIMS, preferred_element_type=jnp.float32) * "
+        "scale`; `s = jnp.where(j * page_size + lax.broadcasted_iota(jnp.int32, s.shape, 1) < length, s, "
+        "MASK_VALUE)`; `v = jnp.where(j * page_size + lax.broadcasted_iota(jnp.int32, v_ref.shape, 0) < length, "
+        "v_ref[...], 0.0)` — a stale NaN survives an added mask, and NaN times p = 0 is still NaN. Then notebook "
+        "06's online update with `v` in place of `v_ref[...]`.",
     ),
 )

@@ -53,8 +53,8 @@ def plot_block_table(block_table: npt.ArrayLike, lengths: Sequence[int], page_si
     """Each sequence's pages in logical order (the left column, one slot per token, the filled slots in the
     sequence's colour) and the pool's ``num_pages`` pages (the right column), with an arrow from every live
     logical page ``j`` of sequence ``b`` to pool page ``block_table[b, j]``, labelled with that table entry.
-    Pages past a sequence's length are dashed, marked unused and never read; pool pages no live page names
-    are marked free."""
+    Pages past a sequence's length are dashed and marked not yet read; a pool page only such an entry names is
+    marked as named but not yet read, and a pool page no entry names is marked free."""
     table = np.asarray(block_table)
     if table.ndim != 2 or len(lengths) != table.shape[0]:
         raise ValueError(f"block_table must be [batch, pages_per_seq] with one length per row, got {table.shape} "
@@ -64,9 +64,10 @@ def plot_block_table(block_table: npt.ArrayLike, lengths: Sequence[int], page_si
         raise ValueError(f"lengths must be from 0 to {pages_per_seq * page_size}, got {list(lengths)}")
     rows = max(batch * pages_per_seq + batch - 1, num_pages)
     pool_x, top = PAGE_WIDTH + 10.0, (rows - 1) * PITCH
-    width = pool_x + PAGE_WIDTH + 12.0  # from -9 to 3 past the pool
+    width = pool_x + PAGE_WIDTH + 15.0  # from -9 to 6 past the pool (room for "named, not yet read")
     fig, ax = figure_and_axes(ax, (8.0, 8.0 * (top + 2.7) / width + 0.4))
     owner: dict[int, tuple[int, int]] = {}  # pool page -> (sequence, tokens it holds)
+    named = {int(page) for page in table.ravel()}  # every pool page some entry names, read or not
     for b in range(batch):
         color, first = SEQUENCE_COLORS[b % len(SEQUENCE_COLORS)], b * (pages_per_seq + 1)
         live = -(-int(lengths[b]) // page_size)
@@ -78,7 +79,7 @@ def plot_block_table(block_table: npt.ArrayLike, lengths: Sequence[int], page_si
             _draw_page(ax, 0.0, y, page_size, filled, color)
             ax.text(-0.3, y + 0.5, f"page {j}", ha="right", va="center", fontsize=7)
             if j >= live:
-                ax.text(PAGE_WIDTH + 0.3, y + 0.5, f"unused (table says {page})", ha="left", va="center",
+                ax.text(PAGE_WIDTH + 0.3, y + 0.5, f"not yet read (table says {page})", ha="left", va="center",
                         fontsize=7, color=PALETTE["skipped"])
                 continue
             owner[page] = (b, filled)
@@ -89,7 +90,8 @@ def plot_block_table(block_table: npt.ArrayLike, lengths: Sequence[int], page_si
         b, filled = owner.get(page, (-1, 0))
         y = top - page * PITCH
         _draw_page(ax, pool_x, y, page_size, filled, SEQUENCE_COLORS[b % len(SEQUENCE_COLORS)])
-        ax.text(pool_x + PAGE_WIDTH + 0.3, y + 0.5, f"{page}" + ("" if b >= 0 else "  free"), ha="left",
+        note = "" if b >= 0 else "  named, not yet read" if page in named else "  free"
+        ax.text(pool_x + PAGE_WIDTH + 0.3, y + 0.5, f"{page}{note}", ha="left",
                 va="center", fontsize=7, color=PALETTE["ink"] if b >= 0 else PALETTE["skipped"])
     ax.text(PAGE_WIDTH / 2, top + 1.3, "logical pages", ha="center", fontsize=8)
     ax.text(PAGE_WIDTH + 1.8, top + 1.3, "block_table", ha="center", fontsize=8)
@@ -97,8 +99,8 @@ def plot_block_table(block_table: npt.ArrayLike, lengths: Sequence[int], page_si
     ax.set_xlim(-9.0, width - 9.0)
     ax.set_ylim(-0.5, top + 2.2)
     _hide_axes(ax)
-    ax.set_title(title or f"token t of sequence b: slot t % {page_size} of pool page block_table[b, t // "
-                 f"{page_size}]", fontsize=9)
+    ax.set_title(title or f"the block table: each sequence's live pages ({page_size} slots each) in the pool",
+                 fontsize=9)
     return fig
 
 
@@ -151,8 +153,8 @@ def plot_paged_grid(block_table: npt.ArrayLike, lengths: Sequence[int], page_siz
     ax.set_xlim(-4.2, steps * col - 1.4)
     ax.set_ylim(-1.6, top + 3.3)
     _hide_axes(ax)
-    ax.set_title(title or "the grid (batch, pages_per_seq): step j copies page block_table[b, min(j, last live page)]",
-                 fontsize=9)
+    ax.set_title(title or "the grid (batch, pages_per_seq): each live page copied and computed once, nothing after "
+                 "the last", fontsize=9)
     return fig
 
 
