@@ -209,6 +209,10 @@ CLAIMS: dict[str, list[Claim]] = {
         Claim("(1.87x the ideal\n  time on 8 devices)", r"contiguous: the ring takes 1\.87\dx the time"),
         Claim("its 6 ports, one per neighbour of its 3D torus, and its 100 GB/s are derived",
               r"v5p\s+100 GB/s"),
+        Claim("a v5e needs chunks of about 4k tokens", r"v5e\s+50 GB/s[^\n]*\s(3[89]|4[0-2])\d\d tokens"),
+        Claim("(a v6e, whose compute grew faster than its links, about 9k)", r"v6e\s+100 GB/s[^\n]*\s9\d\d\d tokens"),
+        Claim("so the same ratio needs about 8k tokens per device on a v5e",
+              r"v5e\s+50 GB/s[^\n]*\s(3[89]|4[0-2])\d\d tokens"),
     ],
 }
 

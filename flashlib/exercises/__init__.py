@@ -29,6 +29,8 @@ module                      notebook  what the learner writes
 ``decoding_kernel``         10        the paged decode kernel in Pallas: its index map clamped over the block
                                       table, its body (pages past the length skipped, the last page masked)
 ``scaling_out``             11        one ring-attention step (merge by log-sum-exp), the causal imbalance
+``sharded_ring``            11        the ring's forward with ``shard_map`` and ``ppermute``; a striped ring's
+                                      imbalance, the backward ring's transfer against its compute
 ==========================  ========  ======================================================================
 
 Where a module would pass 400 lines, its teaching solutions (what ``Puzzle.solution`` points at, and what the
