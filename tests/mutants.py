@@ -283,4 +283,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # notebook 11's ring puzzle runs on 8 simulated CPU devices: XLA reads this before jax makes its first array
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
     sys.exit(main())
