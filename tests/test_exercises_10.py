@@ -35,7 +35,22 @@ def test_the_solutions_pass():
 
 
 def _averaged(states):  # each split normalised on its own, then the mean: ignores the splits' weights
-    return jnp.mean(jnp.stack([reference.state_output(s) for s in states]), axis=0)
+    return jnp.mean(jnp.stack([jnp.where(s.l[..., None] > 0, s.acc / jnp.where(s.l > 0, s.l, 1.0)[..., None], 0.0)
+                               for s in states]), axis=0)
+
+
+def _folds_merge_states(states):  # the library's merge: the puzzle asks for it by hand
+    merged = states[0]
+    for state in states[1:]:
+        merged = reference.merge_states(merged, state)
+    return reference.state_output(merged)
+
+
+def _max_of_first_split(states):  # rescales against split 0's maximum, not the largest
+    safe = jnp.where(jnp.isfinite(states[0].m), states[0].m, 0.0)
+    total = sum(jnp.exp(s.m - safe) * s.l for s in states)
+    acc = sum(jnp.exp(s.m - safe)[..., None] * s.acc for s in states)
+    return jnp.where(total[..., None] > 0, acc / jnp.where(total > 0, total, 1.0)[..., None], 0.0)
 
 
 def _unsafe_merge(states):  # rescales against the new maximum itself: NaN where both sides have seen no key
@@ -54,7 +69,8 @@ def _no_rescale(states):  # acc and l summed as they are: each split measured ag
 
 
 def _last_split_only(states):
-    return reference.state_output(states[-1])
+    s = states[-1]
+    return jnp.where(s.l[..., None] > 0, s.acc / jnp.where(s.l > 0, s.l, 1.0)[..., None], 0.0)
 
 
 @pytest.mark.parametrize("answer, message", [
@@ -62,6 +78,8 @@ def _last_split_only(states):
     (_unsafe_merge, "NaN in the output"),
     (_no_rescale, "acc and l are added without rescaling: .* exp\\(m_split - m_max\\)"),
     (_last_split_only, "max error"),
+    (_folds_merge_states, "calls reference.merge_states: this puzzle is the merge itself"),
+    (_max_of_first_split, "split 1's m 100 higher .* the largest m_i over every split"),
 ])
 def test_wrong_combinations_are_named(answer, message):
     with pytest.raises(CheckFailed, match=message):
@@ -91,8 +109,17 @@ def test_wrong_pages_are_named(answer, message):
 
 
 def test_the_hints_end_in_the_solutions():
+    assert nb10.COMBINE_SPLITS.levels == 4 and nb10.PAGE_TO_COPY.levels == 3
     for puzzle in (nb10.COMBINE_SPLITS, nb10.PAGE_TO_COPY):
-        assert puzzle.levels == 3 and "def " in puzzle.solution_source()
+        assert "def " in puzzle.solution_source()
+    assert "merge_states" not in nb10.COMBINE_SPLITS.solution_source()
+
+
+def test_the_checker_restores_merge_states():
+    merge_states, state_output = reference.merge_states, reference.state_output
+    with pytest.raises(CheckFailed, match="calls reference.state_output"):
+        nb10.check_combine_splits(lambda states: reference.state_output(states[0]))
+    assert reference.merge_states is merge_states and reference.state_output is state_output
     assert np.isfinite(np.asarray(nb10.combine_splits_solution([reference.SoftmaxState(
         m=jnp.full((1,), -jnp.inf), l=jnp.zeros((1,)), acc=jnp.zeros((1, 2)))]))).all()
 
@@ -103,21 +130,21 @@ def test_the_hints_end_in_the_solutions():
 merge_splits_solution = nb10.merge_splits_solution
 
 
-def _merge_added_max(m, l, acc):  # exp(m_i + m): the common factor cancels, until the scores are large (mutant)
+def _merge_added_max(m, l, acc):  # exp2(m_i + m): the common factor cancels, until the scores are large (mutant)
     top = jnp.max(m, axis=0)
-    w = jnp.exp(m + jnp.where(jnp.isfinite(top), top, 0.0))
+    w = jnp.exp2(m + jnp.where(jnp.isfinite(top), top, 0.0))
     total, merged = jnp.sum(w * l, axis=0), jnp.sum(w[..., None] * acc, axis=0)
     return jnp.where(total[..., None] > 0, merged / jnp.where(total > 0, total, 1.0)[..., None], 0.0)
 
 
 def _merge_unsafe(m, l, acc):  # exponentiates against -inf on a row no split saw
-    w = jnp.exp(m - jnp.max(m, axis=0))
+    w = jnp.exp2(m - jnp.max(m, axis=0))
     return jnp.sum(w[..., None] * acc, axis=0) / jnp.sum(w * l, axis=0)[..., None]
 
 
 def _merge_undivided(m, l, acc):  # the merged acc, never divided by l
     safe = jnp.where(jnp.isfinite(jnp.max(m, axis=0)), jnp.max(m, axis=0), 0.0)
-    return jnp.sum(jnp.exp(m - safe)[..., None] * acc, axis=0)
+    return jnp.sum(jnp.exp2(m - safe)[..., None] * acc, axis=0)
 
 
 def _merge_averaged(m, l, acc):  # each split's output, then their mean
@@ -129,24 +156,41 @@ def _merge_unscaled(m, l, acc):  # acc and l summed as they are
     return jnp.sum(acc, axis=0) / jnp.where(total > 0, total, 1.0)[..., None]
 
 
+def _merge_natural(m, l, acc):  # e^(m2_i - M2): the base-2 maxima read as natural ones
+    top = jnp.max(m, axis=0)
+    w = jnp.exp(m - jnp.where(jnp.isfinite(top), top, 0.0))
+    total, merged = jnp.sum(w * l, axis=0), jnp.sum(w[..., None] * acc, axis=0)
+    return jnp.where(total[..., None] > 0, merged / jnp.where(total > 0, total, 1.0)[..., None], 0.0)
+
+
+def _merge_converted(m2, l, acc):  # back to natural units (m = m2 ln 2) and exp: the same factors, passes
+    m = m2 * jnp.log(2.0)
+    top = jnp.max(m, axis=0)
+    w = jnp.exp(m - jnp.where(jnp.isfinite(top), top, 0.0))
+    total, merged = jnp.sum(w * l, axis=0), jnp.sum(w[..., None] * acc, axis=0)
+    return jnp.where(total[..., None] > 0, merged / jnp.where(total > 0, total, 1.0)[..., None], 0.0)
+
+
 def _merge_wrong_axis(m, l, acc):  # reduces over the last axis (the rows) instead of the splits
     return merge_splits_solution(jnp.moveaxis(m, -1, 0), jnp.moveaxis(l, -1, 0), jnp.moveaxis(acc, -2, 0))
 
 
 def test_merge_splits_solution_passes_and_the_stub_is_not_attempted(capsys):
     nb10.check_merge_splits(merge_splits_solution)
+    nb10.check_merge_splits(_merge_converted)
     nb10.MERGE_SPLITS.use(_stub)
     out = capsys.readouterr().out
-    assert "passed: merge_splits" in out and "exercise 1: the merge by hand: not attempted yet" in out
+    assert "passed: merge_splits" in out and "exercise 1: the merge in base 2: not attempted yet" in out
 
 
 @pytest.mark.parametrize("answer, message", [
     (_merge_unsafe, "NaN in the output"),
     (_merge_undivided, "the merged acc, not yet the output"),
     (_merge_averaged, "the splits' outputs are averaged"),
-    (_merge_unscaled, r"summed without rescaling: .* exp\(m_i - m\)"),
+    (_merge_unscaled, r"summed without rescaling: .* exp2\(m2_i - M2\)"),
+    (_merge_natural, "m2 is in base 2 .* use jnp.exp2"),
     (_merge_wrong_axis, "shape .* reduce over the leading"),
-    (_merge_added_max, "every score 80 higher .* overflow"),
+    (_merge_added_max, "every m2 200 higher.* overflow"),
 ])
 def test_wrong_merges_are_named(answer, message):
     with pytest.raises(CheckFailed, match=message):

@@ -1,9 +1,10 @@
 """Notebook 10's puzzles: :data:`COMBINE_SPLITS`, the output of split-KV decoding from its per-split softmax
-states (notebook 03's merge, applied to the splits), and :data:`PAGE_TO_COPY`, the page a paged decode kernel's
-index map asks for at a grid step (the block table followed, pages past the length never copied).
+states (notebook 03's merge, written by hand over the splits), and :data:`PAGE_TO_COPY`, the page a paged decode
+kernel's index map asks for at a grid step (the block table followed, pages past the length never copied).
 
-Exercises: the split-KV merge written by hand (:func:`check_merge_splits`), the arithmetic intensity of a decode
-step (:func:`check_decode_intensity`) and writing a new token's keys into its page (:func:`check_write_token`).
+Exercises: the split-KV merge with base-2 maxima, as flashlib's TPU kernel keeps them (:func:`check_merge_splits`),
+the arithmetic intensity of a decode step (:func:`check_decode_intensity`) and writing a new token's keys into its
+page (:func:`check_write_token`).
 """
 
 from __future__ import annotations
@@ -29,10 +30,13 @@ __all__ = ["COMBINE_SPLITS", "DECODE_INTENSITY", "MERGE_SPLITS", "PAGE_TO_COPY",
 
 
 def combine_splits_solution(states: Sequence[SoftmaxState]) -> jnp.ndarray:
-    merged = states[0]
+    top = states[0].m
     for state in states[1:]:
-        merged = reference.merge_states(merged, state)
-    return reference.state_output(merged)  # acc / l, and 0 on a row no split saw
+        top = jnp.maximum(top, state.m)  # the common maximum m, -inf on a row no split saw
+    safe = jnp.where(jnp.isfinite(top), top, 0.0)  # exp(-inf - 0) = 0, never exp(-inf + inf) = NaN
+    total = sum(jnp.exp(s.m - safe) * s.l for s in states)  # each split's l rescaled by e^(m_i - m)
+    acc = sum(jnp.exp(s.m - safe)[..., None] * s.acc for s in states)  # and its acc
+    return jnp.where(total[..., None] > 0, acc / jnp.where(total > 0, total, 1.0)[..., None], 0.0)  # 0: l = 0
 
 
 def _split_cases() -> list[tuple[str, Any, decode.KVCache, int]]:
@@ -53,38 +57,88 @@ def _split_cases() -> list[tuple[str, Any, decode.KVCache, int]]:
     ]
 
 
+def _merged64(states: Sequence[SoftmaxState]) -> np.ndarray:
+    """The splits' output in float64, merged as the solution does."""
+    m, l, acc = _stacked(states)  # noqa: E741
+    top = np.max(m, axis=0)
+    weights = np.exp(m - np.where(np.isfinite(top), top, 0.0))
+    total, merged = np.sum(weights * l, axis=0), np.sum(weights[..., None] * acc, axis=0)
+    return np.where(total[..., None] > 0, merged / np.where(total > 0, total, 1.0)[..., None], 0.0)
+
+
+def _forbidden(name: str) -> Callable[..., Any]:
+    def call(*args, **kwargs):
+        raise CheckFailed(f"failed: combine_splits calls reference.{name}: this puzzle is the merge itself — "
+                          "rescale each split's l and acc to the common maximum with exp and add them, without "
+                          "merge_states or state_output")
+    return call
+
+
 def check_combine_splits(combine_splits: Callable[[Sequence[SoftmaxState]], Any]) -> None:
     """``combine_splits(states)``: the decode output ``[batch, kv_heads, group * q_len, dv]`` from the splits'
-    states, against the float64 oracle, case by case."""
+    states, against the float64 oracle, case by case, then the first case with every ``m`` 80 higher and with one
+    split's ``m`` 100 above the others'; written by hand
+    (``reference.merge_states`` and ``state_output`` raise while it runs)."""
+    cases = []
     for case, q, cache, splits in _split_cases():
         _, states = decode.decode_split_kv(q, cache, num_splits=splits, return_states=True)
-        want = decode.decode_oracle(q, cache)
-        got = np.asarray(combine_splits(list(states)), np.float64)
-        if got.size != want.size:
-            raise CheckFailed(f"failed: combine_splits, case '{case}' — shape {got.shape}: return the output rows "
-                              f"[batch, kv_heads, group * q_len, dv], like reference.state_output (size {want.size})")
-        got = got.reshape(want.shape)
-        if np.isnan(got).any():
-            raise CheckFailed(f"failed: combine_splits, case '{case}' — NaN in the output: a split (or a row) that has "
-                              "seen no key has m = -inf and l = 0; merge with reference.merge_states, which keeps such "
-                              "a side at weight 0, and divide by l once at the end, where l = 0 gives 0")
-        if not np.allclose(got, want, atol=1e-5):
-            averaged = np.mean([np.asarray(reference.state_output(s)) for s in states], axis=0).reshape(want.shape)
-            if np.allclose(got, averaged, atol=1e-5):
-                raise CheckFailed(f"failed: combine_splits, case '{case}' — the splits' outputs are averaged: each "
-                                  "split's share of the softmax is its l e^m, not 1 / num_splits; merge the states "
-                                  "(m, l, acc) first, then normalise once")
-            acc_sum = sum(np.asarray(s.acc, np.float64) for s in states)
-            l_sum = sum(np.asarray(s.l, np.float64) for s in states)[..., None]
-            with np.errstate(invalid="ignore", divide="ignore"):
-                unscaled = np.where(l_sum > 0, acc_sum / np.where(l_sum > 0, l_sum, 1.0), 0.0).reshape(want.shape)
-            if np.allclose(got, unscaled, atol=1e-5):
-                raise CheckFailed(f"failed: combine_splits, case '{case}' — acc and l are added without rescaling: "
-                                  "each split's acc and l are measured against its own maximum m; multiply each by "
-                                  "exp(m_split - m_max) before adding (what merge_states does), then acc / l")
-            raise CheckFailed(f"failed: combine_splits, case '{case}' — max error {np.max(np.abs(got - want)):.3g} "
-                              "against the float64 oracle: merge every split's state exactly once, then acc / l")
-    print(f"passed: combine_splits merges the splits into the oracle's output in all {len(_split_cases())} cases")
+        cases.append((case, list(states), np.asarray(decode.decode_oracle(q, cache), np.float64)))
+    case, states, want = cases[0]  # every score 80 higher: l, acc and the output do not change, e^80 overflows
+    cases.append((f"{case}, every m 80 higher", [s._replace(m=s.m + 80.0) for s in states], want))
+    for top in (1, 0):  # one split's scores 100 above the others': the common maximum must be over every split
+        shifted = [s._replace(m=s.m + 100.0) if i == top else s for i, s in enumerate(states)]
+        cases.append((f"{case}, split {top}'s m 100 higher than the others'", shifted, _merged64(shifted)))
+    outputs = {case: [np.asarray(reference.state_output(s), np.float64) for s in states]
+               for case, states, _ in cases}
+    merge_states, state_output = reference.merge_states, reference.state_output
+    reference.merge_states, reference.state_output = _forbidden("merge_states"), _forbidden("state_output")
+    try:
+        for case, states, want in cases:
+            _check_combined(combine_splits, case, states, want, outputs[case])
+    finally:
+        reference.merge_states, reference.state_output = merge_states, state_output
+    print(f"passed: combine_splits merges the splits by hand into the oracle's output in all {len(cases)} cases, "
+          "empty splits, blind rows and large scores included")
+
+
+def _check_combined(combine_splits, case: str, states: list[SoftmaxState], want: np.ndarray,
+                    outputs: list[np.ndarray]) -> None:
+    got = np.asarray(combine_splits(list(states)), np.float64)
+    if got.size != want.size:
+        raise CheckFailed(f"failed: combine_splits, case '{case}' — shape {got.shape}: return the output rows "
+                          f"[batch, kv_heads, group * q_len, dv], the shape of a state's acc (size {want.size})")
+    got = got.reshape(want.shape)
+    if "100 higher than" in case and not np.allclose(got, want, atol=1e-5):
+        raise CheckFailed(f"failed: combine_splits, case '{case}' — wrong or overflowing output: the common "
+                          "maximum m must be the largest m_i over every split (here split "
+                          f"{case.split('split ')[-1][0]}'s), so that each factor exp(m_i - m) is at most 1")
+    if "80 higher" in case and not np.allclose(got, want, atol=1e-5):
+        raise CheckFailed(f"failed: combine_splits, case '{case}' (the same output) — the exponentials overflow "
+                          "or lose the output: rescale by exp(m_i - m), m the largest m_i, so every factor is "
+                          "at most 1")
+    if np.isnan(got).any():
+        raise CheckFailed(f"failed: combine_splits, case '{case}' — NaN in the output: a split (or a row) that has "
+                          "seen no key has m = -inf and l = 0; where every m_i is -inf, exp(m_i - m) is "
+                          "exp(-inf + inf) = NaN: rescale against a safe maximum (0 where it is -inf), and divide "
+                          "by l once at the end, only where l > 0 (0 elsewhere)")
+    if np.allclose(got, want, atol=1e-5):
+        return
+    averaged = np.mean(outputs, axis=0).reshape(want.shape)
+    if np.allclose(got, averaged, atol=1e-5):
+        raise CheckFailed(f"failed: combine_splits, case '{case}' — the splits' outputs are averaged: each "
+                          "split's share of the softmax is its l e^m, not 1 / num_splits; merge the states "
+                          "(m, l, acc) first, then normalise once")
+    acc_sum = sum(np.asarray(s.acc, np.float64) for s in states)
+    l_sum = sum(np.asarray(s.l, np.float64) for s in states)[..., None]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        unscaled = np.where(l_sum > 0, acc_sum / np.where(l_sum > 0, l_sum, 1.0), 0.0).reshape(want.shape)
+    if np.allclose(got, unscaled, atol=1e-5):
+        raise CheckFailed(f"failed: combine_splits, case '{case}' — acc and l are added without rescaling: "
+                          "each split's acc and l are measured against its own maximum m; multiply each by "
+                          "exp(m_split - m_max) before adding, then acc / l")
+    raise CheckFailed(f"failed: combine_splits, case '{case}' — max error {np.max(np.abs(got - want)):.3g} "
+                      "against the float64 oracle: m = the largest m_i, l = sum of l_i exp(m_i - m), acc = sum of "
+                      "acc_i exp(m_i - m), every split exactly once, then acc / l")
 
 
 COMBINE_SPLITS = Puzzle(
@@ -92,12 +146,16 @@ COMBINE_SPLITS = Puzzle(
     check_combine_splits,
     combine_splits_solution,
     (
-        "Each split's state `(m, l, acc)` describes its own keys, measured against its own maximum `m`. "
-        "Notebook 03's `merge_states` combines two such states into the state of the union of their keys — "
-        "exactly, and in any order.",
-        "Fold the list: `merged = states[0]`, then `merged = reference.merge_states(merged, s)` for the rest. "
-        "The output is `reference.state_output(merged)`, `acc / l`, which gives 0 on a row no split has seen "
-        "(never average the splits' outputs: a split's weight is its `l e^m`).",
+        "Each split's `l` and `acc` are measured against its own maximum `m_i`, so they cannot be added as they "
+        "are. Measure them all against one common maximum first — then they simply add, and you divide once.",
+        "Three steps: the common maximum `m` over the splits (`jnp.maximum`, split by split); each split's factor "
+        "`e^(m_i - m)`, at most 1, which multiplies its `l` and its `acc` (`acc` has one more axis: `[..., None]`); "
+        "sum them, then `acc / l`. A split that saw no key has `m_i = -inf`, so its factor is 0 — unless every "
+        "split is `-inf` on that row, where `-inf - (-inf)` is NaN.",
+        "`top = jnp.maximum(...)` over the `s.m`; `safe = jnp.where(jnp.isfinite(top), top, 0.0)`; "
+        "`total = sum(jnp.exp(s.m - safe) * s.l for s in states)` and the same for `acc` with the factor's "
+        "`[..., None]`; return `jnp.where(total[..., None] > 0, acc / jnp.where(total > 0, total, 1.0)[..., None], "
+        "0.0)` (a row no split saw is 0).",
     ),
 )
 
@@ -152,21 +210,35 @@ PAGE_TO_COPY = Puzzle(
 )
 
 
-# -- exercises: the merge by hand, decode's intensity, writing a token into its page ----------------------------
+# -- exercises: the merge in base 2, decode's intensity, writing a token into its page ----------------------------
 
 
 def _stacked(states: Sequence[SoftmaxState]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return tuple(np.stack([np.asarray(getattr(s, f), np.float64) for s in states]) for f in ("m", "l", "acc"))
 
 
+def _merge_natural(m, l, acc):  # the merge with e^x: what a base-2 m2 must not be fed to as it is
+    top = np.max(m, axis=0)
+    weights = np.exp(m - np.where(np.isfinite(top), top, 0.0))
+    total, merged = np.sum(weights * l, axis=0), np.sum(weights[..., None] * acc, axis=0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(total[..., None] > 0, merged / np.where(total > 0, total, 1.0)[..., None], 0.0)
+
+
 def check_merge_splits(merge_splits: Callable[[Any, Any, Any], Any]) -> None:
-    """``merge_splits(m, l, acc)``: the output ``[..., dv]`` from the splits' states stacked on a leading axis —
-    ``m`` and ``l`` ``[splits, ...]``, ``acc`` ``[splits, ..., dv]`` — written with exp and sums, not merge_states."""
+    """``merge_splits(m2, l, acc)``: the output ``[..., dv]`` from the splits' states stacked on a leading axis, with
+    the maxima in base 2 as flashlib's TPU kernel keeps them — ``m2 = m / ln 2`` and ``l`` ``[splits, ...]``,
+    ``acc`` ``[splits, ..., dv]`` — against the float64 oracle, then the first case with every ``m2`` 200 higher."""
+    cases = []
     for case, q, cache, splits in _split_cases():
         _, states = decode.decode_split_kv(q, cache, num_splits=splits, return_states=True)
-        m, l, acc = _stacked(states)
-        want = np.asarray(decode.decode_oracle(q, cache), np.float64).reshape(acc.shape[1:])
-        got = np.asarray(merge_splits(jnp.asarray(m, jnp.float32), jnp.asarray(l, jnp.float32),
+        m, l, acc = _stacked(states)  # noqa: E741
+        cases.append((case, m / np.log(2.0), l, acc,
+                      np.asarray(decode.decode_oracle(q, cache), np.float64).reshape(acc.shape[1:])))
+    case, m2, l, acc, want = cases[0]  # 2^200 is past float32's range, for a merge that does not subtract the max
+    cases.append((f"{case}, every m2 200 higher", m2 + 200.0, l, acc, want))
+    for case, m2, l, acc, want in cases:  # noqa: E741
+        got = np.asarray(merge_splits(jnp.asarray(m2, jnp.float32), jnp.asarray(l, jnp.float32),
                                       jnp.asarray(acc, jnp.float32)), np.float64)
 
         def failed(message: str, case: str = case) -> CheckFailed:
@@ -174,16 +246,21 @@ def check_merge_splits(merge_splits: Callable[[Any, Any, Any], Any]) -> None:
 
         if got.shape != want.shape:
             raise failed(f"shape {got.shape}, expected {want.shape}: reduce over the leading (splits) axis only — "
-                         "the maximum is m.max(axis=0), the sums are over axis 0")
+                         "the maximum is m2.max(axis=0), the sums are over axis 0")
+        if "200 higher" in case and not np.allclose(got, want, atol=1e-5):
+            raise failed("the same output, but the powers overflow or lose it: rescale by 2^(m2_i - M2), M2 the "
+                         "largest m2_i, so every factor is at most 1")
         if np.isnan(got).any():
-            raise failed("NaN in the output: where every split saw no key, m.max(axis=0) is -inf and "
-                         "exp(-inf - (-inf)) is NaN; exponentiate against a safe maximum (0 where it is -inf), and "
+            raise failed("NaN in the output: where every split saw no key, m2.max(axis=0) is -inf and "
+                         "exp2(-inf - (-inf)) is NaN; exponentiate against a safe maximum (0 where it is -inf), and "
                          "divide by l only where l > 0 (a row no split saw is 0)")
         if np.allclose(got, want, atol=1e-5):
             continue
-        top = np.max(m, axis=0)
-        safe = np.where(np.isfinite(top), top, 0.0)
-        weights = np.exp(m - safe)  # [splits, ...]
+        if np.allclose(got, _merge_natural(m2, l, acc), atol=1e-5):
+            raise failed("the factors are e^(m2_i - M2): m2 is in base 2 (m2 = m / ln 2), so a split's factor "
+                         "e^(m_i - M) is 2^(m2_i - M2): use jnp.exp2")
+        top = np.max(m2, axis=0)
+        weights = np.exp2(m2 - np.where(np.isfinite(top), top, 0.0))  # [splits, ...]
         merged_acc = np.sum(weights[..., None] * acc, axis=0)
         with np.errstate(invalid="ignore", divide="ignore"):
             averaged = np.mean(np.where(l[..., None] > 0, acc / np.where(l > 0, l, 1.0)[..., None], 0.0), axis=0)
@@ -191,49 +268,38 @@ def check_merge_splits(merge_splits: Callable[[Any, Any, Any], Any]) -> None:
         if np.allclose(got, merged_acc, atol=1e-5):
             raise failed("this is the merged acc, not yet the output: divide by the merged l once at the end")
         if np.allclose(got, averaged, atol=1e-5):
-            raise failed("the splits' outputs are averaged: a split's share of the softmax is l_i e^(m_i - m), "
+            raise failed("the splits' outputs are averaged: a split's share of the softmax is l_i 2^(m2_i - M2), "
                          "not 1 / num_splits; rescale and add acc and l first, then divide once")
         if np.allclose(got, unscaled, atol=1e-5):
             raise failed("acc and l are summed without rescaling: each split's acc and l are measured against its "
-                         "own m_i; multiply both by exp(m_i - m), m the largest m_i, before adding")
-        raise failed(f"max error {np.max(np.abs(got - want)):.3g} against the float64 oracle: m = max over splits, "
-                     "l = sum of l_i exp(m_i - m), acc = sum of acc_i exp(m_i - m), output = acc / l")
-    # The same states with every score 80 higher (m + 80; l and acc, measured against m, do not change, nor does
-    # the output): e^80 is past float32's range only for a merge that does not subtract the largest maximum.
-    case, q, cache, splits = _split_cases()[0]
-    _, states = decode.decode_split_kv(q, cache, num_splits=splits, return_states=True)
-    m, l, acc = _stacked(states)
-    want = np.asarray(decode.decode_oracle(q, cache), np.float64).reshape(acc.shape[1:])
-    got = np.asarray(merge_splits(jnp.asarray(m + 80.0, jnp.float32), jnp.asarray(l, jnp.float32),
-                                  jnp.asarray(acc, jnp.float32)), np.float64)
-    if got.shape != want.shape or not np.allclose(got, want, atol=1e-5):
-        raise CheckFailed(f"failed: merge_splits, case '{case}' with every score 80 higher (m + 80, the same output) "
-                          "— the exponentials overflow or lose the output: rescale by exp(m_i - m), m the largest "
-                          "m_i, so every factor is at most 1")
-    print(f"passed: merge_splits merges the splits by hand into the oracle's output in all {len(_split_cases()) + 1} "
-          "cases, empty splits, blind rows and large scores included")
+                         "own maximum; multiply both by exp2(m2_i - M2), M2 the largest m2_i, before adding")
+        raise failed(f"max error {np.max(np.abs(got - want)):.3g} against the float64 oracle: M2 = max over "
+                     "splits, l = sum of l_i 2^(m2_i - M2), acc = sum of acc_i 2^(m2_i - M2), output = acc / l")
+    print(f"passed: merge_splits merges base-2 states into the oracle's output in all {len(cases)} cases, empty "
+          "splits, blind rows and large scores included")
 
 
-def merge_splits_solution(m, l, acc):
-    # m, l [splits, ...], acc [splits, ..., dv] -> the output [..., dv]
-    top = jnp.max(m, axis=0)  # [...]: the largest maximum, -inf where no split saw a key
-    safe = jnp.where(jnp.isfinite(top), top, 0.0)  # [...]: exp(-inf - 0) = 0, never exp(-inf + inf) = NaN
-    weights = jnp.exp(m - safe)  # [splits, ...]: each split's rescale factor
+def merge_splits_solution(m2, l, acc):  # noqa: E741
+    # m2 = m / ln 2 and l [splits, ...], acc [splits, ..., dv] -> the output [..., dv]
+    top = jnp.max(m2, axis=0)  # [...]: the largest maximum, -inf where no split saw a key
+    safe = jnp.where(jnp.isfinite(top), top, 0.0)  # [...]: exp2(-inf - 0) = 0, never exp2(-inf + inf) = NaN
+    weights = jnp.exp2(m2 - safe)  # [splits, ...]: e^(m_i - m) = 2^(m2_i - m2), each split's rescale factor
     total = jnp.sum(weights * l, axis=0)  # [...]
     merged = jnp.sum(weights[..., None] * acc, axis=0)  # [..., dv]
     return jnp.where(total[..., None] > 0, merged / jnp.where(total > 0, total, 1.0)[..., None], 0.0)
 
 
 MERGE_SPLITS = Puzzle(
-    "exercise 1: the merge by hand",
+    "exercise 1: the merge in base 2",
     check_merge_splits,
     merge_splits_solution,
     (
-        "Each split's `acc` and `l` are measured against its own maximum `m_i`. Against a common maximum `M` (the "
-        "largest `m_i`) they become `acc_i e^(m_i - M)` and `l_i e^(m_i - M)`, and then they simply add.",
-        "`M = m.max(axis=0)` (the argument `m` stacks the `m_i`); a row no split saw has `M = -inf`, so exponentiate "
-        "against a safe maximum (`M` where it is finite, 0 elsewhere); sum the rescaled `l` and `acc` over axis 0, "
-        "and divide once, only where the summed `l` is positive (the output is 0 elsewhere).",
+        "`e^x = 2^(x / ln 2)`. A split's factor `e^(m_i - m)` in puzzle 1 is therefore `2^(m2_i - M2)` with "
+        "`m2_i = m_i / ln 2` and `M2` the largest `m2_i` — the same maximum, in other units. `l` and `acc` do not "
+        "change: only the exponent's base does.",
+        "Puzzle 1's merge on stacked arrays: `M2 = m2.max(axis=0)`; a safe maximum (0 where `M2` is -inf); "
+        "factors `jnp.exp2(m2 - safe)`, `[splits, ...]`; sum the rescaled `l` and `acc` (factor `[..., None]`) "
+        "over axis 0, and divide once, only where the summed `l` is positive.",
     ),
 )
 

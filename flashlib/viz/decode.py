@@ -179,7 +179,8 @@ def plot_split_kv(bounds: Sequence[tuple[int, int]], m: Sequence[float], l: Sequ
                   length: int, *, ax: Axes | None = None, title: str | None = None) -> Figure:
     """Split-KV for one query row: the cache's keys cut into ``bounds`` (keys at and past ``length`` greyed),
     each split's partial state ``(m_i, l_i, acc_i)`` below it, and arrows into the merged state, each labelled
-    with the split's share of the softmax (:func:`split_weights`)."""
+    with the split's share of the softmax (:func:`split_weights`); the merge's formula is not written out (it is
+    notebook 10's puzzle 1)."""
     if not (len(bounds) == len(m) == len(l)) or not bounds:
         raise ValueError(f"one (m, l) per split: got {len(bounds)} bounds, {len(m)} m and {len(l)} l")
     top, total, weights = split_weights(m, l)
@@ -213,12 +214,12 @@ def plot_split_kv(bounds: Sequence[tuple[int, int]], m: Sequence[float], l: Sequ
                                                        "edgecolor": "none"})
     ax.plot([length * unit] * 2, [3.9, 4.7], color=PALETTE["masked"], lw=1.5)
     ax.text(length * unit + 0.08, 3.85, f"length {length}", ha="left", va="top", fontsize=7, color=PALETTE["masked"])
-    ax.text(width / 2, 0.45, f"merged: m = max m_i = {_number(top)}   l = Σ l_i e^(m_i − m) = {total:.4g}\n"
-            "acc = Σ acc_i e^(m_i − m)   output = acc / l", ha="center", va="center", fontsize=8,
+    ax.text(width / 2, 0.45, f"merged state: m = {_number(top)}, l = {total:.4g}\n→ one output row",
+            ha="center", va="center", fontsize=8,
             bbox={"boxstyle": "round", "facecolor": "white", "edgecolor": PALETTE["O"], "lw": 1.5})
     ax.set_xlim(-0.3, width + 0.9)
     ax.set_ylim(-0.2, 5.6)
     _hide_axes(ax)
-    ax.set_title(title or "split-KV: each split's partial state, weighted by its share of the softmax "
-                 "(l_i e^(m_i − m) / l)", fontsize=9)
+    ax.set_title(title or "split-KV: each split's partial state; each arrow's width (and %) is that split's share "
+                 "of the softmax", fontsize=9)
     return fig
