@@ -35,7 +35,7 @@ module                      notebook  what the learner writes
 
 Where a module would pass 400 lines, its teaching solutions (what ``Puzzle.solution`` points at, and what the
 hints' last level prints) live beside it in ``<module>_solutions`` (``softmax``, ``tiling``, ``online_softmax``,
-``flash_jax``, ``pallas_basics``, ``flash_kernel``, ``backward``, ``performance``, ``variants``).
+``flash_jax``, ``pallas_basics``, ``flash_kernel``, ``backward``, ``performance``, ``variants``, ``decoding``).
 
 This package sits at the top of the layers (it checks every stage, kernels and estimates included); nothing in
 the library imports it.

@@ -17,6 +17,13 @@ import numpy as np
 
 from flashlib import decode, hardware, reference
 from flashlib.checks import CheckFailed
+from flashlib.exercises.decoding_solutions import (
+    combine_splits_solution,
+    decode_intensity_solution,
+    merge_splits_solution,
+    page_to_copy_solution,
+    write_token_solution,
+)
 from flashlib.exercises.puzzle import Puzzle
 from flashlib.reference import SoftmaxState
 
@@ -27,16 +34,6 @@ __all__ = ["COMBINE_SPLITS", "DECODE_INTENSITY", "MERGE_SPLITS", "PAGE_TO_COPY",
 
 
 # -- puzzle 1: the output from the splits' states ---------------------------------------------------------------
-
-
-def combine_splits_solution(states: Sequence[SoftmaxState]) -> jnp.ndarray:
-    top = states[0].m
-    for state in states[1:]:
-        top = jnp.maximum(top, state.m)  # the common maximum m, -inf on a row no split saw
-    safe = jnp.where(jnp.isfinite(top), top, 0.0)  # exp(-inf - 0) = 0, never exp(-inf + inf) = NaN
-    total = sum(jnp.exp(s.m - safe) * s.l for s in states)  # each split's l rescaled by e^(m_i - m)
-    acc = sum(jnp.exp(s.m - safe)[..., None] * s.acc for s in states)  # and its acc
-    return jnp.where(total[..., None] > 0, acc / jnp.where(total > 0, total, 1.0)[..., None], 0.0)  # 0: l = 0
 
 
 def _split_cases() -> list[tuple[str, Any, decode.KVCache, int]]:
@@ -163,12 +160,6 @@ COMBINE_SPLITS = Puzzle(
 # -- puzzle 2: the page an index map copies ---------------------------------------------------------------------
 
 
-def page_to_copy_solution(step: int, length: int, table_row: Sequence[int], page_size: int) -> int:
-    live_pages = -(-length // page_size)  # ceil: a page that is partly filled is live
-    last = max(live_pages - 1, 0)  # an empty sequence still names a page: copied once, never computed
-    return table_row[min(step, last)]  # past the last live page: the same page again, so no new copy
-
-
 def check_page_to_copy(page_to_copy: Callable[[int, int, Sequence[int], int], int]) -> None:
     """``page_to_copy(step, length, table_row, page_size)`` for every step of sequences of many lengths."""
     table_row = [7, 2, 9, 0, 5]  # a sequence's pages in the pool, in order; page_size 4: up to 20 tokens
@@ -279,16 +270,6 @@ def check_merge_splits(merge_splits: Callable[[Any, Any, Any], Any]) -> None:
           "splits, blind rows and large scores included")
 
 
-def merge_splits_solution(m2, l, acc):  # noqa: E741
-    # m2 = m / ln 2 and l [splits, ...], acc [splits, ..., dv] -> the output [..., dv]
-    top = jnp.max(m2, axis=0)  # [...]: the largest maximum, -inf where no split saw a key
-    safe = jnp.where(jnp.isfinite(top), top, 0.0)  # [...]: exp2(-inf - 0) = 0, never exp2(-inf + inf) = NaN
-    weights = jnp.exp2(m2 - safe)  # [splits, ...]: e^(m_i - m) = 2^(m2_i - m2), each split's rescale factor
-    total = jnp.sum(weights * l, axis=0)  # [...]
-    merged = jnp.sum(weights[..., None] * acc, axis=0)  # [..., dv]
-    return jnp.where(total[..., None] > 0, merged / jnp.where(total > 0, total, 1.0)[..., None], 0.0)
-
-
 MERGE_SPLITS = Puzzle(
     "exercise 1: the merge in base 2",
     check_merge_splits,
@@ -307,12 +288,6 @@ MERGE_SPLITS = Puzzle(
 INTENSITY_CASES = (  # (heads, kv_heads, head_dim, q_len, itemsize)
     (32, 4, 128, 1, 2), (32, 32, 128, 1, 2), (8, 1, 64, 1, 4), (32, 4, 128, 4, 2), (16, 16, 256, 1, 1),
 )
-
-
-def decode_intensity_solution(heads, kv_heads, head_dim, q_len, itemsize):
-    flops = 4 * heads * q_len * head_dim  # per cached key: q·k and p·v for every query row, 2 FLOPs a multiply-add
-    nbytes = 2 * kv_heads * head_dim * itemsize  # that key's K and V rows, once per kv head
-    return flops / nbytes
 
 
 _INTENSITY_MISTAKES = (  # (a wrong formula, the mistake it makes)
@@ -408,12 +383,6 @@ def check_write_token(write_token: Callable[[Any, Any, int, int, Any], Any]) -> 
                           f"{int(table[seq][logical])}, slot {position % page_size}, every kv head")
     print(f"passed: write_token puts each new token in slot position % page_size of page "
           f"block_table[seq, position // page_size] ({len(cases)} tokens, two sequences)")
-
-
-def write_token_solution(k_pages, block_table, seq, position, k_new):
-    page_size = k_pages.shape[2]
-    page = block_table[seq, position // page_size]  # the pool page holding the sequence's logical page
-    return k_pages.at[page, :, position % page_size].set(k_new)  # its slot, every kv head
 
 
 WRITE_TOKEN = Puzzle(
