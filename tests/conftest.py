@@ -241,6 +241,21 @@ def _rotated_out(item) -> bool:
 COLAB_TOPOLOGY = "v5e:1x1"
 
 
+def _every_other(items, key_of) -> set[str]:
+    """Of the items ``key_of`` gives a key (None: not rotated), the 2nd, 4th, 6th... of each key, in collection
+    order: the ones the smoke environment deselects."""
+    seen: dict[object, int] = defaultdict(int)
+    out = set()
+    for item in items:
+        key = key_of(item)
+        if key is None:
+            continue
+        if seen[key] % 2:
+            out.add(item.nodeid)
+        seen[key] += 1
+    return out
+
+
 def _other_topologies_rotated_out(items) -> set[str]:
     """In the smoke environment, every other compile of a TPU compile check for a topology that is not
     Colab's free chip (:data:`COLAB_TOPOLOGY`): of each test function's cases on other topologies (v6e:1x1,
@@ -249,17 +264,14 @@ def _other_topologies_rotated_out(items) -> set[str]:
     least once; the main environment compiles every case for every topology with the newest libtpu."""
     if SEARCH_MODE != "smoke":
         return set()
-    seen: dict[tuple[str, str], int] = defaultdict(int)
-    out = set()
-    for item in items:
+
+    def key_of(item):
         topology = getattr(getattr(item, "callspec", None), "params", {}).get("topology")
         if not isinstance(topology, str) or topology == COLAB_TOPOLOGY or "tpu" not in item.keywords:
-            continue
-        key = (item.nodeid.split("[")[0], topology)
-        if seen[key] % 2:
-            out.add(item.nodeid)
-        seen[key] += 1
-    return out
+            return None
+        return item.nodeid.split("[")[0], topology
+
+    return _every_other(items, key_of)
 
 
 def _wrong_answers_rotated_out(items) -> set[str]:
@@ -270,17 +282,14 @@ def _wrong_answers_rotated_out(items) -> set[str]:
     and half of its wrong answers under Colab's jax, and the main environment runs every wrong answer."""
     if SEARCH_MODE != "smoke":
         return set()
-    seen: dict[str, int] = defaultdict(int)
-    out = set()
-    for item in items:
+
+    def key_of(item):
         name = item.nodeid.split("::")[-1].split("[")[0]
         if not item.nodeid.startswith("tests/test_exercises_") or "wrong_answers" not in name or "[" not in item.nodeid:
-            continue
-        key = item.nodeid.split("[")[0]
-        if seen[key] % 2:
-            out.add(item.nodeid)
-        seen[key] += 1
-    return out
+            return None
+        return item.nodeid.split("[")[0]
+
+    return _every_other(items, key_of)
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups

@@ -48,6 +48,15 @@ def _draw_page(ax: Axes, x: float, y: float, page_size: int, filled: int, color:
                            ls="-" if filled else "--"))
 
 
+def _block_table(block_table, lengths) -> np.ndarray:
+    """``block_table`` as a ``[batch, pages_per_seq]`` array, with one length per row (else ValueError)."""
+    table = np.asarray(block_table)
+    if table.ndim != 2 or len(lengths) != table.shape[0]:
+        raise ValueError(f"block_table must be [batch, pages_per_seq] with one length per row, got {table.shape} "
+                         f"and {len(lengths)} lengths")
+    return table
+
+
 def plot_block_table(block_table: npt.ArrayLike, lengths: Sequence[int], page_size: int, num_pages: int, *,
                      ax: Axes | None = None, title: str | None = None) -> Figure:
     """Each sequence's pages in logical order (the left column, one slot per token, the filled slots in the
@@ -55,10 +64,7 @@ def plot_block_table(block_table: npt.ArrayLike, lengths: Sequence[int], page_si
     logical page ``j`` of sequence ``b`` to pool page ``block_table[b, j]``, labelled with that table entry.
     Pages past a sequence's length are dashed and marked not yet read; a pool page only such an entry names is
     marked as named but not yet read, and a pool page no entry names is marked free."""
-    table = np.asarray(block_table)
-    if table.ndim != 2 or len(lengths) != table.shape[0]:
-        raise ValueError(f"block_table must be [batch, pages_per_seq] with one length per row, got {table.shape} "
-                         f"and {len(lengths)} lengths")
+    table = _block_table(block_table, lengths)
     batch, pages_per_seq = table.shape
     if any(not 0 <= n <= pages_per_seq * page_size for n in lengths):
         raise ValueError(f"lengths must be from 0 to {pages_per_seq * page_size}, got {list(lengths)}")
@@ -110,10 +116,7 @@ def plot_paged_grid(block_table: npt.ArrayLike, lengths: Sequence[int], page_siz
     A step up to the sequence's last live page copies pool page ``block_table[b, j]`` (its tokens in the
     sequence's colour, the slots at and past the length hatched: masked) and computes it; past it the index map
     names the last live page again, so Pallas issues no copy, and ``pl.when`` skips the compute (grey)."""
-    table = np.asarray(block_table)
-    if table.ndim != 2 or len(lengths) != table.shape[0]:
-        raise ValueError(f"block_table must be [batch, pages_per_seq] with one length per row, got {table.shape} "
-                         f"and {len(lengths)} lengths")
+    table = _block_table(block_table, lengths)
     batch, steps = table.shape
     if any(not 1 <= n <= steps * page_size for n in lengths):
         raise ValueError(f"lengths must be from 1 to {steps * page_size}, got {list(lengths)}")
