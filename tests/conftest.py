@@ -17,11 +17,11 @@ marked ``rotate_jnp_impls`` (the peer suites, the hard regimes' fixed cases) the
 fixed case on ``pallas`` (the kernel, whose code moves most between jax versions) and on one of the three
 implementations written in plain ``jax.numpy`` (reference, blockwise, xla), chosen per case by a hash of its
 id (:func:`_rotated_out`), so every jnp impl still meets about a third of the cases there; the main
-environment runs every case on every impl. Likewise the TPU compile checks parametrized by ``topology``
-compile every case for Colab's free v5e-1 there and every other case for the other chips
-(:func:`_other_topologies_rotated_out`): Colab's old libtpu compiles 2-4x slower than the newest. And the
-checkers' wrong-answer tests run every other case there (:func:`_wrong_answers_rotated_out`): interpret mode
-under jax 0.7.2 is slower, and a rejection is the checker's logic, the same under either jax."""
+environment runs every case on every impl. Then of each parametrized test function's remaining cases one in
+three runs there (:func:`_cases_rotated_out`), counted apart for the kernel and for each TPU topology; the TPU
+compile checks for Colab's free v5e-1 all run there, with Colab's libtpu. The smoke environment is there to
+find what moves between jax versions, which every test function meets at least once; the main environment
+gives every case its verdict on the newest jax."""
 
 from __future__ import annotations
 
@@ -241,61 +241,80 @@ def _rotated_out(item) -> bool:
 COLAB_TOPOLOGY = "v5e:1x1"
 
 
-def _every_other(items, key_of) -> set[str]:
-    """Of the items ``key_of`` gives a key (None: not rotated), the 2nd, 4th, 6th... of each key, in collection
-    order: the ones the smoke environment deselects."""
+# In the smoke environment, one case in this many of each parametrized test function runs (see _cases_rotated_out).
+SMOKE_CASE_SHARE = 3
+
+
+def _every_nth(items, key_of, n: int) -> set[str]:
+    """Of the items ``key_of`` gives a key (None: not rotated), all but the 1st, (n+1)th, (2n+1)th... of each
+    key, in collection order: the ones the smoke environment deselects."""
     seen: dict[object, int] = defaultdict(int)
     out = set()
     for item in items:
         key = key_of(item)
         if key is None:
             continue
-        if seen[key] % 2:
+        if seen[key] % n:
             out.add(item.nodeid)
         seen[key] += 1
     return out
 
 
-def _other_topologies_rotated_out(items) -> set[str]:
-    """In the smoke environment, every other compile of a TPU compile check for a topology that is not
-    Colab's free chip (:data:`COLAB_TOPOLOGY`): of each test function's cases on other topologies (v6e:1x1,
-    the 2x2 slices), in collection order, the 1st, 3rd, 5th... run there, the others are deselected. Every
-    case still compiles for the v5e-1 with Colab's libtpu, and every test function for each other chip at
-    least once; the main environment compiles every case for every topology with the newest libtpu."""
+def _case_key(item):
+    """The rotation key of a parametrized test's case (see :func:`_cases_rotated_out`); None: never rotated."""
+    params = getattr(getattr(item, "callspec", None), "params", None)
+    if not params or item.nodeid.split("::")[0].endswith(".ipynb"):
+        return None
+    topology = params.get("topology")
+    topology = topology if isinstance(topology, str) and "tpu" in item.keywords else None
+    if topology == COLAB_TOPOLOGY:
+        return None
+    return item.nodeid.split("[")[0], topology, params.get("impl") == "pallas"
+
+
+def _cases_rotated_out(items) -> set[str]:
+    """In the smoke environment, one in :data:`SMOKE_CASE_SHARE` of each parametrized test function's cases: the
+    1st, 4th, 7th... in collection order (after :func:`_rotated_out`), counted apart for the Pallas kernel's
+    cases (parameter ``impl``) and for each TPU topology, so every test function still runs under Colab's jax,
+    on the kernel and on a plain-jnp impl where it has both, and compiles for every chip it names. Not rotated:
+    notebooks, unparametrized tests, and the TPU compile checks for Colab's free chip (:data:`COLAB_TOPOLOGY`),
+    which all run there with Colab's libtpu. What a case adds over its neighbours is another shape, variant or
+    wrong answer for the same code under the same jax, a verdict the main environment gives on the newest jax;
+    the smoke environment is there to find what moves between jax versions (an API, a lowering, interpret
+    mode), which every code path meets at least once there."""
     if SEARCH_MODE != "smoke":
         return set()
-
-    def key_of(item):
-        topology = getattr(getattr(item, "callspec", None), "params", {}).get("topology")
-        if not isinstance(topology, str) or topology == COLAB_TOPOLOGY or "tpu" not in item.keywords:
-            return None
-        return item.nodeid.split("[")[0], topology
-
-    return _every_other(items, key_of)
+    return _every_nth(items, _case_key, SMOKE_CASE_SHARE)
 
 
-def _wrong_answers_rotated_out(items) -> set[str]:
-    """In the smoke environment, every other case of the checkers' wrong-answer tests (``tests/test_exercises_*``,
-    a parametrized test whose name says ``wrong_answers``): of each test function's cases, in collection order,
-    the 1st, 3rd, 5th... run there, the others are deselected. A wrong answer's rejection is the checker's logic,
-    the same code under either jax; the smoke environment still runs every checker on its stub and its solution
-    and half of its wrong answers under Colab's jax, and the main environment runs every wrong answer."""
-    if SEARCH_MODE != "smoke":
+def _checker_cases_run_by_the_smoke_environment(items) -> set[str]:
+    """In the main environment, the checkers' parametrized cases (``tests/test_exercises_*``: wrong answers,
+    other valid styles) that the smoke environment runs, but the first of each test function: each such case
+    gets its verdict in one environment of ``.ci/run``, not both. A checker's verdict on a learner's answer is
+    its own logic, the same code under either jax; every checker function still runs in both environments (its
+    first case, its stub and its solution), so what moves between jax versions under a checker is still seen
+    in both. ``make test`` alone therefore skips these cases; ``.ci/run`` runs each of them once."""
+    if SEARCH_MODE == "smoke":
         return set()
-
-    def key_of(item):
-        name = item.nodeid.split("::")[-1].split("[")[0]
-        if not item.nodeid.startswith("tests/test_exercises_") or "wrong_answers" not in name or "[" not in item.nodeid:
-            return None
-        return item.nodeid.split("[")[0]
-
-    return _every_other(items, key_of)
+    exercises = [item for item in items if item.nodeid.startswith("tests/test_exercises_")]
+    rotated = _every_nth(exercises, _case_key, SMOKE_CASE_SHARE)
+    first: set[object] = set()
+    out = set()
+    for item in exercises:
+        key = _case_key(item)
+        if key is None or item.nodeid in rotated:
+            continue
+        if key in first:
+            out.add(item.nodeid)
+        first.add(key)
+    return out
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
-    rotated = ({item.nodeid for item in items if _rotated_out(item)} | _other_topologies_rotated_out(items)
-               | _wrong_answers_rotated_out(items))
+    rotated = {item.nodeid for item in items if _rotated_out(item)}
+    rotated |= _cases_rotated_out([item for item in items if item.nodeid not in rotated])
+    rotated |= _checker_cases_run_by_the_smoke_environment(items)
     if rotated:
         config.hook.pytest_deselected(items=[item for item in items if item.nodeid in rotated])
         items[:] = [item for item in items if item.nodeid not in rotated]
