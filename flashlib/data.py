@@ -30,6 +30,7 @@ Rows of *padded queries* in ``probs`` are kept as the model computed them but me
 
 from __future__ import annotations
 
+import importlib.resources
 import json
 import os
 from collections.abc import Mapping
@@ -43,6 +44,7 @@ import numpy as np
 
 __all__ = [
     "DATA_ENV_VAR",
+    "DATA_PACKAGE",
     "DATA_FILE",
     "AttentionData",
     "data_dir",
@@ -55,20 +57,34 @@ DATA_ENV_VAR = "FLASHLIB_DATA"
 DATA_FILE = "minilm_attention.npz"
 
 _HOW_TO_GET = (
-    "The data lives in the data/ folder of the flashlib repository, which a pip-installed flashlib does not "
-    "include. Work from a clone of the repository (on Colab, run the setup cell at the top of the notebook: it "
-    f"clones the repository), or set {DATA_ENV_VAR}=/path/to/flashlib/data. To regenerate the file, run "
-    "data/make_attention_data.py (see data/README.md)."
+    "The data ships inside flashlib's wheel (the package flashlib.data_files) and lives in the data/ folder of "
+    "a clone: an install without it is incomplete, so reinstall flashlib-tutorial (on Colab, run the setup cell "
+    f"at the top of the notebook), or set {DATA_ENV_VAR}=/path/to/flashlib/data. To regenerate the file, run "
+    "data/make_attention_data.py in a clone (see data/README.md)."
 )
+
+# The package the wheel carries the repository's data/ folder as (pyproject.toml: package-dir).
+DATA_PACKAGE = "flashlib.data_files"
+
+
+def _packaged() -> Path | None:
+    """The data folder installed with flashlib (the wheel's ``flashlib/data_files``; in an editable install,
+    the repository's ``data/`` it maps), or None where this flashlib was not installed with it."""
+    try:
+        folder = importlib.resources.files(DATA_PACKAGE)
+    except ModuleNotFoundError:
+        return None
+    return folder if isinstance(folder, Path) else None  # a folder on disk (a wheel is installed unzipped)
 
 
 def _candidates() -> list[Path]:
-    """Where to look, in order: the repo's data/ next to the package, then ./data and ../data."""
+    """Where to look, in order: the data installed with flashlib, the repository's data/ next to the package
+    (a clone on ``sys.path``), then ./data and ../data."""
     repo_data = Path(__file__).resolve().parents[1] / "data"
     cwd = Path.cwd()
     found: list[Path] = []
-    for p in (repo_data, cwd / "data", cwd.parent / "data"):
-        if p not in found:
+    for p in (_packaged(), repo_data, cwd / "data", cwd.parent / "data"):
+        if p is not None and p not in found:
             found.append(p)
     return found
 
@@ -76,10 +92,11 @@ def _candidates() -> list[Path]:
 def data_dir() -> Path:
     """The folder holding ``minilm_attention.npz``.
 
-    ``$FLASHLIB_DATA`` wins when set (a folder, or the ``.npz`` file itself). Otherwise: the repository's
-    ``data/`` next to the ``flashlib`` package (a clone or an editable install), then ``./data`` and
-    ``../data`` (a notebook running inside ``notebooks/``). Raises ``FileNotFoundError`` saying how to get
-    the data when none of them has it.
+    ``$FLASHLIB_DATA`` wins when set (a folder, or the ``.npz`` file itself). Otherwise: the data installed
+    with flashlib (inside the wheel, :data:`DATA_PACKAGE`; an editable install maps the repository's
+    ``data/``), the repository's ``data/`` next to the ``flashlib`` package (a clone on ``sys.path``), then
+    ``./data`` and ``../data`` (a notebook running inside ``notebooks/``). Raises ``FileNotFoundError``
+    saying how to get the data when none of them has it.
     """
     override = os.environ.get(DATA_ENV_VAR)
     if override:

@@ -1,9 +1,10 @@
 """Build ``dist/flashlib-colab-<version>.zip``: what a reader uploads to Colab to run the series when the
 project has no published home (or they would rather not install from it).
 
-The zip holds this checkout's wheel (``flashlib_tutorial-<version>-py3-none-any.whl``) and its ``data/``
-folder; every notebook's setup cell looks for it in the working folder, installs the wheel and points
-``FLASHLIB_DATA`` at the data.
+The zip holds this checkout's wheel (``flashlib_tutorial-<version>-py3-none-any.whl``), which carries the
+data the notebooks read (``flashlib.data_files``, the repository's ``data/``); every notebook's setup cell
+looks for the zip in the working folder and installs the wheel. One file to upload, whose name says its
+release (a browser's rename is still found).
 
     python3 notebooks/make_colab_bundle.py          # make colab-bundle runs this
 
@@ -21,7 +22,6 @@ import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DATA_SUFFIXES = {".npz", ".csv", ".json", ".md"}  # the data and what documents it, not the scripts that made it
 
 
 def version() -> str:
@@ -34,7 +34,7 @@ def bundle_name(release: str | None = None) -> str:
 
 
 def build(out_dir: Path = ROOT / "dist") -> Path:
-    """Build the wheel from this checkout and zip it with ``data/``; return the zip's path."""
+    """Build the wheel from this checkout and zip it; return the zip's path."""
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as wheels:
         subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir", wheels,
@@ -43,9 +43,6 @@ def build(out_dir: Path = ROOT / "dist") -> Path:
         target = out_dir / bundle_name()
         with zipfile.ZipFile(target, "w", compression=zipfile.ZIP_DEFLATED) as archive:
             archive.write(wheel, wheel.name)
-            for path in sorted((ROOT / "data").rglob("*")):
-                if path.is_file() and path.suffix in DATA_SUFFIXES:
-                    archive.write(path, path.relative_to(ROOT).as_posix())
     return target
 
 

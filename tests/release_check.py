@@ -8,11 +8,12 @@ into throwaway virtual environments outside the repository.
 2. **The standard tools.** ``python -m build`` (PyPA's build front end) makes the sdist, then the wheel *from
    the sdist*, so a file the sdist forgets breaks the wheel here, not on someone's machine; ``twine check
    --strict`` checks the metadata the package index will show. Neither imports flashlib.
-3. **The wheel holds what the library reads** (the tuned block table ``BlockSizes.default`` needs), carries
-   the version and name in ``pyproject.toml``, and nothing of the repository's tests or notebooks.
+3. **The wheel holds what the library reads** (the tuned block table ``BlockSizes.default`` needs, the data
+   the notebooks read as ``flashlib/data_files``), carries the version and name in ``pyproject.toml``, and
+   nothing of the repository's tests or notebooks, nor the scripts that made the data.
 4. **A fresh install runs the series.** The wheel goes into a new venv with the notebook extras; notebook 00
-   and one kernel notebook (05) run there with nbclient, in an empty folder, with ``FLASHLIB_DATA`` at the
-   commit's ``data/`` (the sample data is not in the wheel), and must import flashlib from that venv.
+   and one kernel notebook (05) run there with nbclient, in an empty folder, with no ``FLASHLIB_DATA``, and
+   must import flashlib and read its data from that venv.
 
 The sdist and wheel are left in ``dist/`` with their sizes and SHA-256, ready for ``twine upload``.
 
@@ -37,8 +38,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ("00_start_here.ipynb", "05_pallas_on_tpu.ipynb")
 BUILD_TOOLS = ("build>=1.2", "twine>=5.1")
-IN_THE_WHEEL = ("flashlib/__init__.py", "flashlib/kernels/forward_blocks.json")  # what the library reads
-NOT_IN_THE_WHEEL = ("tests/", "notebooks/", "data/")
+IN_THE_WHEEL = ("flashlib/__init__.py", "flashlib/kernels/forward_blocks.json",  # what the library reads
+                "flashlib/data_files/minilm_attention.npz", "flashlib/data_files/estimates/seq_sweep.csv",
+                "flashlib/data_files/tuning/forward_blocks.json")
+# (data/make_attention_data.py rides along as a module of flashlib.data_files: the record of how the sample was made)
+NOT_IN_THE_WHEEL = ("tests/", "notebooks/", "data/", "flashlib/data_files/estimates/make_")
 # `python -c NOTEBOOK_RUNNER NOTEBOOK PROBE FOLDER`: run NOTEBOOK's cells with PROBE appended, FOLDER the kernel's
 # working folder; print what PROBE printed. (tests/test_colab_route.py runs its notebooks with it too.)
 NOTEBOOK_RUNNER = (
@@ -50,7 +54,8 @@ NOTEBOOK_RUNNER = (
     "print(nb.cells[-1].outputs[-1]['text'])\n"
 )
 # Appended to each notebook: where flashlib came from and its version.
-PROBE = "import json, flashlib; print(json.dumps({'file': flashlib.__file__, 'version': flashlib.__version__}))"
+PROBE = ("import json, flashlib, flashlib.data; print(json.dumps({'file': flashlib.__file__, "
+         "'version': flashlib.__version__, 'data': str(flashlib.data.data_dir())}))")
 
 
 class ReleaseCheckFailed(SystemExit):
@@ -125,9 +130,9 @@ def check_wheel(wheel: Path) -> None:
     missing = [path for path in IN_THE_WHEEL if path not in names]
     if missing:
         raise ReleaseCheckFailed(f"the wheel lacks {missing}: add them to [tool.setuptools.package-data]")
-    stray = sorted({name.split("/")[0] + "/" for name in names if name.startswith(NOT_IN_THE_WHEEL)})
+    stray = sorted(name for name in names if name.startswith(NOT_IN_THE_WHEEL))
     if stray:
-        raise ReleaseCheckFailed(f"the wheel carries the repository's {stray}: narrow [tool.setuptools.packages]")
+        raise ReleaseCheckFailed(f"the wheel carries {stray[:3]}: narrow [tool.setuptools.packages] / package-data")
 
 
 def run_notebooks(wheel: Path, source: Path, work: Path) -> list[dict]:
@@ -135,8 +140,7 @@ def run_notebooks(wheel: Path, source: Path, work: Path) -> list[dict]:
     empty folder; return what the probe appended to each printed."""
     python = _venv(work / "venv", f"{wheel}[notebooks]", constraints=source / "tests" / "test-constraints.txt")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "FLASHLIB_DATA")}
-    env.update(JAX_PLATFORMS="cpu", MPLBACKEND="Agg", FLASHLIB_DATA=str(source / "data"),
-               PATH=f"{python.parent}{os.pathsep}{env['PATH']}")
+    env.update(JAX_PLATFORMS="cpu", MPLBACKEND="Agg", PATH=f"{python.parent}{os.pathsep}{env['PATH']}")
     probes = []
     for notebook in NOTEBOOKS:
         folder = work / notebook.removesuffix(".ipynb")
@@ -147,6 +151,8 @@ def run_notebooks(wheel: Path, source: Path, work: Path) -> list[dict]:
         if not Path(probe["file"]).is_relative_to(work / "venv") or probe["version"] != _project()["version"]:
             raise ReleaseCheckFailed(f"{notebook} imported flashlib {probe['version']} from {probe['file']}, not "
                                      "the wheel just built")
+        if Path(probe["data"]) != Path(probe["file"]).parent / "data_files":
+            raise ReleaseCheckFailed(f"{notebook} read its data from {probe['data']}, not from the wheel")
         probes.append(probe)
         _step(f"{notebook}: every cell ran against the installed wheel")
     return probes

@@ -32,10 +32,11 @@ needs_route = pytest.mark.skipif(not COLAB_ROUTE, reason="the simulated Colab in
 PACKAGES = ["jax[tpu]", "jaxlib", "numpy", "matplotlib", "ipywidgets", "ipykernel", "nbclient", "nbformat"]
 KERNEL_NOTEBOOK = "05_pallas_on_tpu.ipynb"
 # Appended to each executed notebook: where flashlib came from, its version, where the data came from.
-PROBE = """import json, os, jax, flashlib
+PROBE = """import json, os, jax, flashlib, flashlib.data
 from flashlib.data import load_attention_data
 sample = load_attention_data()
-print(json.dumps({"file": flashlib.__file__, "version": flashlib.__version__, "data": os.environ["FLASHLIB_DATA"],
+print(json.dumps({"file": flashlib.__file__, "version": flashlib.__version__, "data": str(flashlib.data.data_dir()),
+                  "data_env": os.environ.get("FLASHLIB_DATA"),
                   "sentences": len(sample.sentences), "jax_platforms": os.environ.get("JAX_PLATFORMS"),
                   "backend": jax.default_backend()}))"""
 
@@ -82,10 +83,13 @@ def test_the_cells_come_from_the_declared_home():
         "https://colab.research.google.com/github/someone/flashlib/blob/v0.1.0/notebooks/00_start_here.ipynb")
 
 
-def _run_setup_cell_here(folder: Path) -> str:
-    """Run this release's setup cell in this process, in ``folder``, with a stand-in ``google.colab``; return the
-    message of the ``RuntimeError`` it must raise (before anything is installed)."""
-    stand_in = sys.modules.setdefault("google.colab", type(sys)("google.colab"))
+def _run_setup_cell_here(folder: Path, on_colab: bool = True) -> str:
+    """Run this release's setup cell in this process, in ``folder``, with a stand-in ``google.colab`` (or, with
+    ``on_colab=False``, none); return the message of the ``RuntimeError`` it must raise (before anything is
+    installed)."""
+    if not on_colab:
+        assert "google.colab" not in sys.modules
+    stand_in = sys.modules.setdefault("google.colab", type(sys)("google.colab")) if on_colab else None
     cwd = os.getcwd()
     os.chdir(folder)
     try:
@@ -93,7 +97,7 @@ def _run_setup_cell_here(folder: Path) -> str:
             exec(setup_cells.setup_source(), {})
     finally:
         os.chdir(cwd)
-        if sys.modules.get("google.colab") is stand_in:
+        if stand_in is not None and sys.modules.get("google.colab") is stand_in:
             del sys.modules["google.colab"]
     return str(raised.value)
 
@@ -130,12 +134,27 @@ def test_a_renamed_upload_of_another_release_is_named_and_refused(tmp_path):
     assert "holds 2 wheels" in _run_setup_cell_here(tmp_path)
 
 
+def test_an_upload_is_installed_off_colab_too_and_wins_over_a_source(tmp_path, monkeypatch, capsys):
+    """Off Colab (Kaggle, a local runtime) the cell once did nothing even with the bundle beside the notebook, and
+    the next import failed; and FLASHLIB_SOURCE was silently ignored while an upload was there. Here the zip
+    holds a wheel pip cannot install (empty): the cell runs without google.colab, says which source won, and
+    pip's refusal is one sentence naming the upload."""
+    version = release.version()
+    upload = _zip_with(tmp_path / f"flashlib-colab-{version}.zip",
+                       f"{release.DISTRIBUTION.replace('-', '_')}-{version}-py3-none-any.whl")
+    monkeypatch.setenv("FLASHLIB_SOURCE", (tmp_path / "a-fork").as_uri())
+    message = _run_setup_cell_here(tmp_path, on_colab=False)
+    printed = capsys.readouterr().out
+    assert f"from the uploaded {upload.name} (FLASHLIB_SOURCE is ignored while an upload is here)" in printed
+    assert message.startswith(f"pip could not install the wheel in {upload.name}") and "make colab-bundle" in message
+
+
 def test_a_source_that_cannot_be_cloned_is_one_sentence(tmp_path, monkeypatch):
-    """FLASHLIB_SOURCE naming no repository (or a tag not pushed): one sentence, not git's CalledProcessError."""
+    """FLASHLIB_SOURCE naming no repository (or a tag not pushed): one sentence, not pip's CalledProcessError."""
     monkeypatch.setenv("FLASHLIB_SOURCE", (tmp_path / "no-such-repository").as_uri())
     message = _run_setup_cell_here(tmp_path)
-    assert message.startswith(f"git could not clone tag v{release.version()} of file://") and "upload" in message
-    assert not (tmp_path / "flashlib-src").exists()
+    assert message.startswith(f"pip could not install tag v{release.version()} of file://") and "upload" in message
+    assert list(tmp_path.iterdir()) == []
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -184,11 +203,13 @@ def _execute(python: Path, notebook: str, folder: Path, env: dict) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _check_install(probe: dict, folder: Path, data_folder: str) -> None:
+def _check_install(probe: dict) -> None:
+    """flashlib came from the install, not the repository, and read its data from inside the wheel."""
     assert not Path(probe["file"]).is_relative_to(ROOT), f"flashlib was imported from the repository: {probe}"
     assert "site-packages" in probe["file"]
     assert probe["version"] == release.version()
-    assert Path(probe["data"]) == folder / data_folder and probe["sentences"] > 0
+    assert probe["data_env"] is None, probe  # the cell no longer points FLASHLIB_DATA anywhere
+    assert Path(probe["data"]) == Path(probe["file"]).parent / "data_files" and probe["sentences"] > 0
 
 
 @needs_route
@@ -207,7 +228,7 @@ def test_installs_from_a_git_home_and_runs_the_notebooks(colab, tmp_path):
     python, home, env = colab
     for notebook in ("00_start_here.ipynb", KERNEL_NOTEBOOK):
         probe = _execute(python, notebook, tmp_path, {**env, "FLASHLIB_SOURCE": home})
-        _check_install(probe, tmp_path, "flashlib-src/data")
+        _check_install(probe)
         assert probe["jax_platforms"] == "cpu"
 
 
@@ -223,15 +244,20 @@ def test_installs_from_the_uploaded_bundle(colab, tmp_path):
     (folder / "flashlib-colab" / f"{release.DISTRIBUTION.replace('-', '_')}-0.0.9-py3-none-any.whl").touch()
     as_on_colab = {key: value for key, value in env.items() if key != "JAX_PLATFORMS"}  # Colab leaves it unset
     probe = _execute(python, "00_start_here.ipynb", folder, as_on_colab)
-    _check_install(probe, folder, "flashlib-colab/data")
+    _check_install(probe)
     assert probe["jax_platforms"] is None, probe  # the notebook ran as on Colab (here on jax's CPU fallback)
     # A runtime restarted without the setup cell: no FLASHLIB_DATA, an empty folder. The defaults are this
     # checkout's (the tuned table ships in the wheel; it once fell back to other blocks here, silently).
     restarted = tmp_path / "restarted"
     restarted.mkdir()
+    # And the data is the wheel's (the bundle's data/ and FLASHLIB_DATA pointing at it were lost on a restart).
     defaults = ("from flashlib.kernels import BlockSizes\n"
-                "print([BlockSizes.default(8192, 8192, 128, 'bfloat16', generation=g) for g in ('v5e', 'v6e')])")
+                "from flashlib.data import load_attention_data\n"
+                "print([BlockSizes.default(8192, 8192, 128, 'bfloat16', generation=g) for g in ('v5e', 'v6e')])\n"
+                "print(len(load_attention_data().sentences))")
+    from flashlib.data import load_attention_data
     from flashlib.kernels import BlockSizes
 
     want = [BlockSizes.default(8192, 8192, 128, "bfloat16", generation=g) for g in ("v5e", "v6e")]
-    assert _run(python, "-c", defaults, env=as_on_colab, cwd=restarted).stdout.strip() == str(want)
+    printed = _run(python, "-c", defaults, env=as_on_colab, cwd=restarted).stdout.strip().splitlines()
+    assert printed == [str(want), str(len(load_attention_data().sentences))]

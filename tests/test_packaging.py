@@ -104,3 +104,28 @@ def test_the_release_tools_need_no_development_environment():
     for target in ("colab-bundle", "release-check"):
         recipe = re.search(rf"^{target}:(.*)\n((?:\t.*\n)+)", makefile, flags=re.M)
         assert recipe and "$(VENV)" not in recipe.group(0), f"make {target} must not need the development venv"
+
+
+def test_the_wheel_lists_every_package_and_maps_the_data():
+    """``pyproject.toml`` lists the packages (the data folder is mapped in as ``flashlib.data_files``, which
+    automatic discovery cannot do): every package under ``flashlib/`` is listed, so none is left out of the
+    wheel, and each data pattern names files that exist (a renamed folder would silently ship nothing)."""
+    setuptools = PYPROJECT["tool"]["setuptools"]
+    on_disk = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "flashlib").rglob("__init__.py")}
+    assert set(setuptools["packages"]) == on_disk | {"flashlib.data_files"}
+    assert setuptools["package-dir"] == {"flashlib.data_files": "data"}
+    for pattern in setuptools["package-data"]["flashlib.data_files"]:
+        assert list((ROOT / "data").glob(pattern)), f"no file in data/ matches {pattern!r}"
+
+
+def test_the_installed_flashlib_reads_the_data_it_was_installed_with(monkeypatch):
+    """Without ``FLASHLIB_DATA``, the data is the one installed with flashlib (the wheel's ``data_files``; in
+    this editable install, the repository's data/), whatever the working folder holds."""
+    import importlib.resources
+
+    from flashlib import data
+
+    monkeypatch.delenv(data.DATA_ENV_VAR, raising=False)
+    monkeypatch.chdir(ROOT / "notebooks")  # ../data would also be found; the installed one comes first
+    assert Path(str(importlib.resources.files(data.DATA_PACKAGE))).resolve() == (ROOT / "data").resolve()
+    assert data.data_dir().resolve() == (ROOT / "data").resolve()
