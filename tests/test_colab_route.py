@@ -134,6 +134,24 @@ def test_a_renamed_upload_of_another_release_is_named_and_refused(tmp_path):
     assert "holds 2 wheels" in _run_setup_cell_here(tmp_path)
 
 
+def test_the_wheel_alone_is_an_upload_too(tmp_path):
+    """The bundle is the wheel in a zip; the wheel itself (dist/ of make release-check) is found as well, also
+    renamed by a browser, and one of another release is refused with the fix."""
+    wheel = tmp_path / f"{release.DISTRIBUTION.replace('-', '_')}-0.0.9-py3-none-any (1).whl"
+    wheel.write_bytes(b"")
+    message = _run_setup_cell_here(tmp_path)
+    assert f"{wheel.name} holds flashlib 0.0.9" in message
+    assert f"upload flashlib-colab-{release.version()}.zip" in message
+    assert sorted(p.name for p in tmp_path.iterdir()) == [wheel.name]
+
+
+def test_with_no_upload_the_cell_says_where_it_looked(tmp_path):
+    if not release.is_placeholder(release.declared_home()):
+        pytest.skip("the home is published")
+    message = _run_setup_cell_here(tmp_path)
+    assert f"{tmp_path} holds no upload (flashlib-colab-{release.version()}.zip or " in message
+
+
 def test_an_upload_is_installed_off_colab_too_and_wins_over_a_source(tmp_path, monkeypatch, capsys):
     """Off Colab (Kaggle, a local runtime) the cell once did nothing even with the bundle beside the notebook, and
     the next import failed; and FLASHLIB_SOURCE was silently ignored while an upload was there. Here the zip
@@ -146,7 +164,7 @@ def test_an_upload_is_installed_off_colab_too_and_wins_over_a_source(tmp_path, m
     message = _run_setup_cell_here(tmp_path, on_colab=False)
     printed = capsys.readouterr().out
     assert f"from the uploaded {upload.name} (FLASHLIB_SOURCE is ignored while an upload is here)" in printed
-    assert message.startswith(f"pip could not install the wheel in {upload.name}") and "make colab-bundle" in message
+    assert message.startswith(f"pip could not install the uploaded {upload.name}") and "make colab-bundle" in message
 
 
 def test_a_source_that_cannot_be_cloned_is_one_sentence(tmp_path, monkeypatch):
