@@ -18,7 +18,7 @@ fixed case on ``pallas`` (the kernel, whose code moves most between jax versions
 implementations written in plain ``jax.numpy`` (reference, blockwise, xla), chosen per case by a hash of its
 id (:func:`_rotated_out`), so every jnp impl still meets about a third of the cases there; the main
 environment runs every case on every impl. Then of each parametrized test function's remaining cases one in
-three runs there (:func:`_cases_rotated_out`), counted apart for the kernel and for each TPU topology; the TPU
+three runs there (:func:`_cases_rotated_out`), counted apart for each impl, chip, dtype and branch; the TPU
 compile checks for Colab's free v5e-1 all run there, with Colab's libtpu. The smoke environment is there to
 find what moves between jax versions, which every test function meets at least once; the main environment
 gives every case its verdict on the newest jax."""
@@ -243,6 +243,9 @@ COLAB_TOPOLOGY = "v5e:1x1"
 
 # In the smoke environment, one case in this many of each parametrized test function runs (see _cases_rotated_out).
 SMOKE_CASE_SHARE = 3
+# Parameters that choose which code runs, not which input: the smoke share is counted apart for each of their
+# values, so every implementation, chip, dtype and causal/paged branch a test function names meets Colab's jax.
+CODE_PATH_PARAMETERS = ("impl", "topology", "generation", "dtype", "causal", "paged", "kernel")
 
 
 def _every_nth(items, key_of, n: int) -> set[str]:
@@ -266,17 +269,18 @@ def _case_key(item):
     if not params or item.nodeid.split("::")[0].endswith(".ipynb"):
         return None
     topology = params.get("topology")
-    topology = topology if isinstance(topology, str) and "tpu" in item.keywords else None
-    if topology == COLAB_TOPOLOGY:
+    if isinstance(topology, str) and topology == COLAB_TOPOLOGY and "tpu" in item.keywords:
         return None
-    return item.nodeid.split("[")[0], topology, params.get("impl") == "pallas"
+    return (item.nodeid.split("[")[0],
+            *(repr(params[name]) for name in CODE_PATH_PARAMETERS if name in params))
 
 
 def _cases_rotated_out(items) -> set[str]:
     """In the smoke environment, one in :data:`SMOKE_CASE_SHARE` of each parametrized test function's cases: the
-    1st, 4th, 7th... in collection order (after :func:`_rotated_out`), counted apart for the Pallas kernel's
-    cases (parameter ``impl``) and for each TPU topology, so every test function still runs under Colab's jax,
-    on the kernel and on a plain-jnp impl where it has both, and compiles for every chip it names. Not rotated:
+    1st, 4th, 7th... in collection order (after :func:`_rotated_out`), counted apart for each value of the
+    parameters that choose code (:data:`CODE_PATH_PARAMETERS`: the impl, the TPU topology, the dtype, causal...),
+    so every test function still runs under Colab's jax on every implementation, chip and branch it names. (Counted
+    only apart for the kernel, the planted dropped rescale of blockwise went uncaught there.) Not rotated:
     notebooks, unparametrized tests, and the TPU compile checks for Colab's free chip (:data:`COLAB_TOPOLOGY`),
     which all run there with Colab's libtpu. What a case adds over its neighbours is another shape, variant or
     wrong answer for the same code under the same jax, a verdict the main environment gives on the newest jax;
