@@ -219,6 +219,8 @@ CLAIMS: dict[str, list[Claim]] = {
         Claim("(a v6e, whose compute grew faster than its links, about 9k)", r"v6e\s+100 GB/s[^\n]*\s9\d\d\d tokens"),
         Claim("so the same ratio needs about 8k tokens per device on a v5e",
               r"v5e\s+50 GB/s[^\n]*\s(3[89]|4[0-2])\d\d tokens"),
+        Claim("its transfers would take about 15x as long as its kernels",
+              r"section 5's ring \(v5e, chunks of 256 tokens\): transfer/compute 15\.\d"),
     ],
 }
 

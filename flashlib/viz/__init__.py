@@ -9,7 +9,7 @@ registry and a notebook shows a returned figure exactly once. The data helpers (
 One module per kind of picture — :mod:`~flashlib.viz.tiles` (attention maps, tiling and schedules),
 :mod:`~flashlib.viz.masks` (the variants: visibility, block plans, soft-cap, head groups),
 :mod:`~flashlib.viz.online_softmax`, :mod:`~flashlib.viz.memory`, :mod:`~flashlib.viz.mesh` (a device mesh,
-the ring's steps and work), :mod:`~flashlib.viz.ring` (the causal ring's chunk pairs),
+the ring's steps and work), :mod:`~flashlib.viz.ring` (the causal ring's chunk pairs, a ring step's timeline),
 :mod:`~flashlib.viz.decode` (a block table, the paged kernel's grid, split-KV's merge), :mod:`~flashlib.viz.tpu`
 (the chip, a matmul step), :mod:`~flashlib.viz.figures` (palette, figures, filmstrips, animations) — and every
 public name here, so a notebook needs only ``from flashlib import viz``.
@@ -34,7 +34,7 @@ from flashlib.viz.masks import (
 from flashlib.viz.memory import plot_hbm_traffic, plot_memory_scaling, plot_vmem_budget
 from flashlib.viz.mesh import plot_mesh, plot_ring_step, plot_ring_work
 from flashlib.viz.online_softmax import OnlineStep, online_softmax_trace, plot_online_softmax_step
-from flashlib.viz.ring import PAIR_COLORS, plot_chunk_pairs
+from flashlib.viz.ring import PAIR_COLORS, PAIR_WORK, RingStepTime, plot_chunk_pairs, plot_ring_timeline, ring_timeline
 from flashlib.viz.tiles import (
     TileStep,
     plot_attention_map,
@@ -53,4 +53,5 @@ __all__ = [
     "plot_online_softmax_step", "plot_paged_grid", "plot_q_schedule", "plot_ring_step", "plot_ring_work",
     "plot_softcap", "plot_split_kv", "plot_tiling_step", "plot_tpu_anatomy", "plot_visibility", "plot_vmem_budget",
     "split_weights", "tiling_steps", "to_jshtml", "visibility",
+    "PAIR_WORK", "RingStepTime", "plot_ring_timeline", "ring_timeline",  # notebook 11: a ring step's timeline
 ]

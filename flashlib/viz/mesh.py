@@ -54,16 +54,16 @@ def plot_ring_step(step: int, queries: Sequence[Sequence[int]], holding: Sequenc
     for i in range(n):
         share = work[i] / full_work if full_work else 0.0
         color = PALETTE["skipped"] if share == 0 else PALETTE["S"]
-        ax.add_patch(Circle(xy[i], 0.27, facecolor=color, alpha=0.25 + 0.75 * min(share, 1.0),
+        ax.add_patch(Circle(xy[i], 0.3, facecolor=color, alpha=0.25 + 0.75 * min(share, 1.0),
                             edgecolor=PALETTE["ink"]))
         ax.text(*xy[i], f"dev {i}\nq {','.join(map(str, queries[i]))}\nkv {','.join(map(str, holding[i]))}",
-                ha="center", va="center", fontsize=7)
+                ha="center", va="center", fontsize=8)
         start, end = xy[i] * 0.62, xy[(i + 1) % n] * 0.62
         if n > 1:
             ax.add_patch(FancyArrowPatch(start, end, arrowstyle="->", mutation_scale=9, color=PALETTE["K"],
                                          connectionstyle="arc3,rad=-0.25"))
-    ax.set_xlim(-1.35, 1.35)
-    ax.set_ylim(-1.35, 1.35)
+    ax.set_xlim(-1.32, 1.32)
+    ax.set_ylim(-1.32, 1.32)
     ax.set_aspect("equal")
     ax.axis("off")
     ax.set_title(title or f"step {step}", fontsize=9)
