@@ -186,6 +186,17 @@ CLAIMS: dict[str, list[Claim]] = {
         Claim("pool pages 3 and 8 are named, reserved for its next tokens, but not yet read",
               r"sequence 1: pages named step by step \[5, 11, 11, 11\], named but never "
               r"read \[3, 8\]"),
+        Claim("128-token pages copied one a step cost 5.771x the HBM floor", r"paged\s+128\s+1\s+128\s+5\.771"),
+        Claim("512-token pages four a step 1.048x (a lower bound", r"paged\s+512\s+4\s+2048\s+1\.048"),
+        Claim("A grid step runs the kernel's body once per query head, eight times",
+              r"forward kernel: 8 query heads a step"),
+        Claim("the padded query block and the output written back add 3% to the cache's bytes",
+              r"HBM bytes\s+1\.03x"),
+        Claim("sixteen times the FLOPs still leaves the kernel left of the ridge",
+              r"matmul FLOPs 16\.00x\n(.|\n)*forward kernel: [^\n]*intensity 124 FLOP/B vs ridge 241 -> memory bound"),
+        Claim("The extra exps (20x", r"exps\s+20\.00x"),
+        Claim("not for its bytes (3% more),\n  but for 16x the matmul work",
+              r"HBM bytes\s+1\.03x\n\s+matmul FLOPs 16\.00x"),
     ],
     "09_masks_and_variants.ipynb": [
         Claim("in interpret mode here, on 128 queries over 256 keys",

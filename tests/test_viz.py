@@ -341,6 +341,27 @@ def test_plot_paged_grid_copies_each_live_page_once_and_skips_the_rest():
     big = viz.plot_paged_grid(np.array([[1, 0, 2]]), [300], page_size=256)  # one bar a page, not 256 slots
     assert len(big.axes[0].patches) < 30 and "keys 256–299\n212 slots masked" in _text_list(big)
 
+def test_plot_pages_per_step_groups_the_pages_and_copies_no_dead_page():
+    row = [7, 2, 9, 0, 11, 5, 3, 8, 10, 1, 6, 4]
+    fig = viz.plot_pages_per_step(row, 38, page_size=4)  # 10 live pages, the last holding 2 tokens
+    texts = _text_list(fig)
+    one = texts[1]  # after the title
+    assert one.startswith("pages_per_step = 1: 12 grid steps") and one.endswith("10 page copies, one copy a step")
+    four = next(t for t in texts if t.startswith("pages_per_step = 4"))
+    assert "3 grid steps" in four and "10 page copies, up to 4 copies in flight a step" in four
+    assert texts.count("step 11") == 1 and texts.count("step 2") == 2 and "step 12" not in texts
+    assert texts.count("= 1") == 2  # one page a step: steps 10 and 11 repeat page 9 (pool page 1)
+    assert "= 3" in texts and "= 8" in texts  # four a step: copies 2 and 3 repeat their own pages 6 and 7
+    assert all(texts.count(str(page)) == 2 for page in row[:10])  # each live page copied once in each row
+    assert "6" not in texts and "4" not in texts  # the table's dead pages are never copied
+    with pytest.raises(ValueError, match="length must be from 1 to 48"):
+        viz.plot_pages_per_step(row, 49, page_size=4)
+    with pytest.raises(ValueError, match="each pages_per_step must be from 1 to 12"):
+        viz.plot_pages_per_step(row, 38, page_size=4, options=(1, 13))
+    big = viz.plot_pages_per_step([3, 0, 2, 1], 700, page_size=256, options=(2,))  # one bar a page
+    assert len(big.axes[0].patches) < 30 and "= 0" in _text_list(big)  # copy 1 repeats page 1 (pool page 0)
+
+
 def test_split_weights_and_plot_split_kv():
     m, l = [1.0, 3.0, -np.inf], [2.0, 1.0, 0.0]  # noqa: E741
     top, total, weights = viz.split_weights(m, l)

@@ -18,7 +18,7 @@ One palette for the whole series (:data:`PALETTE`): Q blue, K orange, V green, O
 masked red hatching, skipped grey.
 """
 
-from flashlib.viz.decode import plot_block_table, plot_paged_grid, plot_split_kv, split_weights
+from flashlib.viz.decode import plot_block_table, plot_paged_grid, plot_pages_per_step, plot_split_kv, split_weights
 from flashlib.viz.figures import PALETTE, SERIES_COLORS, animate, filmstrip, format_bytes, new_figure, to_jshtml
 from flashlib.viz.masks import (
     KINDS,
@@ -54,4 +54,5 @@ __all__ = [
     "plot_softcap", "plot_split_kv", "plot_tiling_step", "plot_tpu_anatomy", "plot_visibility", "plot_vmem_budget",
     "split_weights", "tiling_steps", "to_jshtml", "visibility",
     "PAIR_WORK", "RingStepTime", "plot_ring_timeline", "ring_timeline",  # notebook 11: a ring step's timeline
+    "plot_pages_per_step",  # notebook 10: how pages_per_step groups a sequence's pages into grid steps
 ]

@@ -1,5 +1,6 @@
 """Pictures of decoding (notebook 10): a block table mapping each sequence's pages to pages of the pool, the
-paged decode kernel's grid walking those pages, and split-KV's partial softmax states merged into one.
+paged decode kernel's grid walking those pages (one page a step, or ``pages_per_step`` of them), and split-KV's
+partial softmax states merged into one.
 
 Plain numbers in (a block table and lengths; each split's key range and its ``m`` and ``l``), a figure out;
 nothing here imports :mod:`flashlib.decode`.
@@ -17,7 +18,7 @@ from matplotlib.patches import FancyArrowPatch, Rectangle
 
 from flashlib.viz.figures import PALETTE, SERIES_COLORS, draw_tile, figure_and_axes
 
-__all__ = ["plot_block_table", "plot_paged_grid", "plot_split_kv", "split_weights"]
+__all__ = ["plot_block_table", "plot_paged_grid", "plot_pages_per_step", "plot_split_kv", "split_weights"]
 
 SEQUENCE_COLORS = SERIES_COLORS[1:]  # one colour per sequence (blue, green, purple, ...)
 
@@ -34,17 +35,18 @@ PAGE_WIDTH, PITCH = 4.0, 1.6  # a page's width and the rows' pitch, in data unit
 SKIPPED_INK = "#888888"  # text about skipped steps: the skipped grey, dark enough to read
 
 
-def _draw_page(ax: Axes, x: float, y: float, page_size: int, filled: int, color: str) -> None:
+def _draw_page(ax: Axes, x: float, y: float, page_size: int, filled: int, color: str,
+               page_width: float = PAGE_WIDTH) -> None:
     """One page at ``(x, y)``: ``page_size`` token slots (one bar for big pages), the first ``filled`` in
     ``color``; dashed when it holds no token."""
     slots = page_size if page_size <= 16 else 1
-    width = PAGE_WIDTH / slots
+    width = page_width / slots
     for slot in range(slots):
         share = min(max(filled - slot, 0), 1) if slots == page_size else filled / page_size
         draw_tile(ax, x + slot * width, y, width, 1.0, "white", 1.0, edge=PALETTE["ink"], lw=0.4)
         if share:
             draw_tile(ax, x + slot * width, y, width * share, 1.0, color, 0.8, edge=PALETTE["ink"], lw=0.4)
-    ax.add_patch(Rectangle((x, y), PAGE_WIDTH, 1.0, fill=False, edgecolor=PALETTE["ink"], lw=1.4,
+    ax.add_patch(Rectangle((x, y), page_width, 1.0, fill=False, edgecolor=PALETTE["ink"], lw=1.4,
                            ls="-" if filled else "--"))
 
 
@@ -158,6 +160,86 @@ def plot_paged_grid(block_table: npt.ArrayLike, lengths: Sequence[int], page_siz
     _hide_axes(ax)
     ax.set_title(title or "the grid (batch, pages_per_seq): each live page copied and computed once, nothing after "
                  "the last", fontsize=9)
+    return fig
+
+
+def _slot_page(page: int, last: int, slots: int) -> int:
+    """The page index copy ``page % slots`` of a step names for the sequence's page ``page``: ``page`` while it is
+    live (``<= last``), else that copy's own last live page (the kernel's ``_slot_block``), the index it named
+    the step before, so Pallas issues no copy."""
+    slot = page % slots
+    if page <= last:
+        return page
+    return last - (last - slot) % slots if last >= slot else last
+
+
+def plot_pages_per_step(table_row: Sequence[int], length: int, page_size: int, options: Sequence[int] = (1, 4), *,
+                        ax: Axes | None = None, title: str | None = None) -> Figure:
+    """One sequence's pages (its block-table row, in logical order) as the paged decode kernel's grid steps group
+    them, one row per ``pages_per_step`` in ``options``: each step a box, its fixed cost a gold bar, then its
+    ``pages_per_step`` page copies in flight (each labelled with the pool page it copies). A page past the
+    length is not copied: its copy names the same pool page as the step before (that copy's own last live page,
+    labelled "= page") and the kernel skips its compute (grey, dashed)."""
+    row = [int(page) for page in table_row]
+    if not 1 <= length <= len(row) * page_size:
+        raise ValueError(f"length must be from 1 to {len(row) * page_size}, got {length}")
+    if not options or any(not 1 <= n <= len(row) for n in options):
+        raise ValueError(f"each pages_per_step must be from 1 to {len(row)}, got {list(options)}")
+    last = -(-length // page_size) - 1  # the last live page
+    page_w, gap, cost_w, step_gap, pitch = 1.3, 0.12, 0.4, 0.55, 3.4  # data units
+    color = SEQUENCE_COLORS[0]
+    widths = []
+    for n in options:
+        steps = -(-len(row) // n)
+        widths.append(steps * (cost_w + gap + n * page_w + (n - 1) * gap + step_gap) - step_gap)
+    width = max(widths)
+    top = (len(options) - 1) * pitch
+    fig, ax = figure_and_axes(ax, (max(0.38 * width + 0.8, 9.0), 1.15 + 1.2 * len(options)))  # room for the text
+    for r, n in enumerate(options):
+        y, steps = top - r * pitch, -(-len(row) // n)
+        copies = last + 1
+        flight = "one copy a step" if n == 1 else f"up to {n} copies in flight a step"
+        ax.text(-0.1, y + 2.05, f"pages_per_step = {n}: {steps} grid steps, each with its fixed cost; {copies} page "
+                f"copies, {flight}", ha="left", va="bottom", fontsize=8, fontweight="bold", color=PALETTE["ink"])
+        x = 0.0
+        for j in range(steps):
+            pages = range(j * n, min((j + 1) * n, len(row)))
+            box_w = cost_w + gap + len(pages) * page_w + (len(pages) - 1) * gap
+            ax.add_patch(Rectangle((x - 0.08, y - 0.3), box_w + 0.16, 1.95, facecolor="none",
+                                   edgecolor=PALETTE["ink"], lw=0.7))
+            ax.add_patch(Rectangle((x, y), cost_w, 1.0, facecolor=PALETTE["S"], edgecolor=PALETTE["ink"], lw=0.5))
+            ax.text(x + box_w / 2, y - 0.4, f"step {j}", ha="center", va="top", fontsize=7)
+            px = x + cost_w + gap
+            for p in pages:
+                filled = min(max(length - p * page_size, 0), page_size)
+                if filled:
+                    _draw_page(ax, px, y, page_size, filled, color, page_w)
+                    if filled < page_size:  # the tail of the last page: stale slots, masked
+                        tail = px + page_w * filled / page_size
+                        ax.add_patch(Rectangle((tail, y), px + page_w - tail, 1.0, facecolor="none", hatch="///",
+                                               edgecolor=PALETTE["masked"], lw=0.0))
+                    ax.text(px + page_w / 2, y + 1.12, f"{row[p]}", ha="center", va="bottom", fontsize=7)
+                else:  # past the length: the same index as this copy's previous step, so no copy
+                    ax.add_patch(Rectangle((px, y), page_w, 1.0, facecolor=PALETTE["skipped"], alpha=0.35,
+                                           edgecolor=PALETTE["skipped"], lw=1.2, ls="--"))
+                    ax.text(px + page_w / 2, y + 1.12, f"= {row[_slot_page(p, last, n)]}", ha="center", va="bottom",
+                            fontsize=7, color=SKIPPED_INK)
+                px += page_w + gap
+            x += box_w + step_gap
+    handles = [Rectangle((0, 0), 1, 1, facecolor=PALETTE["S"], edgecolor=PALETTE["ink"], lw=0.5),
+               Rectangle((0, 0), 1, 1, facecolor=color, alpha=0.8, edgecolor=PALETTE["ink"], lw=0.5),
+               Rectangle((0, 0), 1, 1, facecolor="none", hatch="///", edgecolor=PALETTE["masked"], lw=0.0),
+               Rectangle((0, 0), 1, 1, facecolor=PALETTE["skipped"], alpha=0.35, edgecolor=PALETTE["skipped"],
+                         ls="--")]
+    labels = ["a grid step's fixed cost", "a page copied (above it: its pool page)",
+              f"slots past the length {length}: masked", "past the length: same pool page (=) as the step before, "
+              "no copy, no compute"]
+    ax.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=2, fontsize=7, frameon=False)
+    ax.set_xlim(-0.3, width + 0.3)
+    ax.set_ylim(-0.9, top + 2.6)
+    _hide_axes(ax)
+    ax.set_title(title or f"pages_per_step: one sequence of {length} tokens in {len(row)} pages of {page_size}, "
+                 "grouped into grid steps", fontsize=9)
     return fig
 
 
