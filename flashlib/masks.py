@@ -109,19 +109,19 @@ def element_visible(q_pos, kv_pos, *, q_len: int, kv_len: int, causal: bool, win
     return visible
 
 
-def _id_ranges(ids, length: int, block: int):
+def _id_ranges(ids, length: int, block: int, xp=jnp):
     """``(low, high)`` ``[b, blocks]``: the smallest and largest id among each block's real positions (a block
     of padding alone gets an empty range, low > high)."""
     batch, padded = ids.shape
-    real = jnp.arange(padded) < length  # [T]
-    big = jnp.iinfo(jnp.int32).max
-    low = jnp.where(real, ids, big).reshape(batch, padded // block, block).min(-1)  # [b, blocks]
-    high = jnp.where(real, ids, -big).reshape(batch, padded // block, block).max(-1)  # [b, blocks]
+    real = xp.arange(padded) < length  # [T]
+    big = np.iinfo(np.int32).max
+    low = xp.where(real, ids, big).reshape(batch, padded // block, block).min(-1)  # [b, blocks]
+    high = xp.where(real, ids, -big).reshape(batch, padded // block, block).max(-1)  # [b, blocks]
     return low, high
 
 
 def segment_block_table(outer_ids, inner_ids, *, outer_len: int, inner_len: int, outer_block: int,
-                        inner_block: int, band_visible):
+                        inner_block: int, band_visible, xp=jnp):
     """``(live, fetch)`` ``[b, num_outer, num_inner]``: which pairs of blocks can meet, and the block a kernel's
     index map fetches for each pair — what the Pallas kernels receive by scalar prefetch to skip blocks
     between segments (ids are data, so this is computed outside the kernel, per call).
@@ -131,13 +131,15 @@ def segment_block_table(outer_ids, inner_ids, *, outer_len: int, inner_len: int,
     blocks can meet only if their id ranges overlap — exact for packed (non-decreasing) ids, conservative for
     any others. ``fetch`` is the pair's own block when live, else the last live block before it (the first live
     one when none is): a skipped step repeats its neighbour's index, so the pipeline copies nothing for it.
+    ``xp=np`` computes the same tables in NumPy (the pictures: no JAX dispatch, no compile per shape).
     """
-    outer_ids, inner_ids = jnp.asarray(outer_ids, jnp.int32), jnp.asarray(inner_ids, jnp.int32)
-    outer_low, outer_high = _id_ranges(outer_ids, outer_len, outer_block)  # [b, no]
-    inner_low, inner_high = _id_ranges(inner_ids, inner_len, inner_block)  # [b, ni]
+    outer_ids, inner_ids = xp.asarray(outer_ids, xp.int32), xp.asarray(inner_ids, xp.int32)
+    outer_low, outer_high = _id_ranges(outer_ids, outer_len, outer_block, xp)  # [b, no]
+    inner_low, inner_high = _id_ranges(inner_ids, inner_len, inner_block, xp)  # [b, ni]
     overlap = (outer_low[:, :, None] <= inner_high[:, None, :]) & (inner_low[:, None, :] <= outer_high[:, :, None])
-    live = overlap & jnp.asarray(band_visible)[None]  # [b, no, ni]
-    inner = jnp.arange(live.shape[-1], dtype=jnp.int32)
-    last_live = lax.cummax(jnp.where(live, inner, -1), axis=2)  # [b, no, ni]   the last live block so far
-    first_live = jnp.argmax(live, axis=2).astype(jnp.int32)[..., None]  # [b, no, 1]   0 when none is
-    return live, jnp.where(last_live >= 0, last_live, first_live)
+    live = overlap & xp.asarray(band_visible)[None]  # [b, no, ni]
+    inner = xp.arange(live.shape[-1], dtype=xp.int32)
+    cummax = np.maximum.accumulate if xp is np else lax.cummax
+    last_live = cummax(xp.where(live, inner, -1), axis=2)  # [b, no, ni]   the last live block so far
+    first_live = xp.argmax(live, axis=2).astype(xp.int32)[..., None]  # [b, no, 1]   0 when none is
+    return live, xp.where(last_live >= 0, last_live, first_live)

@@ -3,9 +3,9 @@
 Thin on purpose: each picture is a plain :mod:`flashlib.viz` function, and a widget only redraws it when the
 step changes. Every function returns the widget (a ``VBox``) without displaying it; the notebook does.
 
-Portable across ipywidgets 7 (Colab) and 8: only ``IntSlider``, ``Play``, ``Dropdown``, ``jslink``,
-``HBox``/``VBox`` and ``interactive_output`` are used. ipywidgets is imported inside the functions, so
-``import flashlib`` works without it.
+Portable across ipywidgets 7 (Colab) and 8: only ``IntSlider``, ``SelectionSlider``, ``Play``, ``Dropdown``,
+``ToggleButtons``, ``jslink``, ``HBox``/``VBox`` and ``interactive_output`` are used. ipywidgets is imported
+inside the functions, so ``import flashlib`` works without it.
 
 A notebook rendered without a kernel (GitHub, nbviewer, ``jupyter nbconvert --to html``, JupyterLab before
 Run All) cannot show a widget. So each explorer's output carries, beside the widget view, a still picture of
@@ -27,8 +27,9 @@ from matplotlib.figure import Figure
 from flashlib import perf_plots, viz
 from flashlib.tuning import TableKey, TuningResult
 
-__all__ = ["SEGMENT_PATTERNS", "block_size_explorer", "design_segments", "draw_mask_design", "explorer_box",
-           "mask_designer", "online_softmax_explorer", "segment_pattern", "step_through", "tiling_explorer"]
+__all__ = ["NO_BOUND", "SEGMENT_PATTERNS", "block_size_explorer", "design_segments", "draw_mask_design",
+           "explorer_box", "mask_designer", "online_softmax_explorer", "segment_pattern", "step_through",
+           "tiling_explorer", "vmem_budget_explorer"]
 
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 
@@ -72,9 +73,13 @@ def _explorer_class():
 
 
 def explorer_box(children, still: Figure, what: str):
-    """A ``VBox`` of ``children`` that shows ``still`` (the explorer's first view) where widgets cannot run."""
+    """A ``VBox`` of ``children`` that shows ``still`` (the explorer's first view) where widgets cannot run.
+
+    The still is saved as the inline backend saves the figures beside it (IPython's ``print_figure``: the
+    figure's own dpi, ``rcParams["figure.dpi"]`` when :func:`flashlib.viz.new_figure` made it, and a tight box),
+    so it is as large and as sharp as they are."""
     buffer = io.BytesIO()
-    still.savefig(buffer, format="png", dpi=80, bbox_inches="tight")
+    still.savefig(buffer, format="png", dpi=still.dpi, bbox_inches="tight")
     box = _explorer_class()(children)
     box.still_png = base64.b64encode(buffer.getvalue()).decode("ascii")
     box.still_text = f"[{what}: an interactive widget; run the notebook to use it. The picture is its first view.]"
@@ -216,6 +221,39 @@ def block_size_explorer(table: Mapping[TableKey, TuningResult], *, figsize: tupl
                         "block-size explorer over the tuned table")
 
 
+def vmem_budget_explorer(
+    parts: Callable[[int, int, int, str], Mapping[str, float]], limits: Mapping[str, float], *,
+    block_q: int = 512, block_k: int = 512, head_dim: int = 128, dtype: str = "bfloat16",
+):
+    """Sliders for ``block_q``, ``block_k``, ``head_dim`` and a dtype; one stacked bar of ``parts(block_q,
+    block_k, head_dim, dtype)`` (bytes by part, e.g. notebook 06's ``vmem_parts``) against ``limits`` (bytes
+    by name, e.g. the scoped VMEM of v5e and v6e), drawn by :func:`flashlib.viz.plot_vmem_budget`."""
+    import ipywidgets as widgets
+
+    def slider(name: str, options: list[int], value: int):
+        return widgets.SelectionSlider(options=options, value=value, description=name, continuous_update=False)
+
+    controls = {
+        "block_q": slider("block_q", [64, 128, 256, 512, 1024, 2048], block_q),
+        "block_k": slider("block_k", [128, 256, 512, 1024, 2048], block_k),
+        "head_dim": slider("head_dim", [64, 128, 256], head_dim),
+        "dtype": widgets.ToggleButtons(options=["bfloat16", "float32"], value=dtype, description="dtype"),
+    }
+
+    def draw(block_q: int, block_k: int, head_dim: int, dtype: str) -> Figure:
+        name = f"{block_q} x {block_k}\nd={head_dim}, {dtype}"
+        return viz.plot_vmem_budget({name: parts(block_q, block_k, head_dim, dtype)}, limits)
+
+    def redraw(**values) -> None:
+        _show(draw(**values))
+
+    output = widgets.interactive_output(redraw, controls)
+    still = draw(**{name: control.value for name, control in controls.items()})
+    rows = [widgets.HBox([controls["block_q"], controls["block_k"]]),
+            widgets.HBox([controls["head_dim"], controls["dtype"]])]
+    return explorer_box([*rows, output], still, "VMEM budget explorer")
+
+
 SEGMENT_PATTERNS: tuple[str, ...] = ("none", "2 equal", "3 uneven", "4 short")
 """The segment layouts :func:`mask_designer` offers: one packed row cut in these proportions."""
 
@@ -256,15 +294,26 @@ def draw_mask_design(q_len: int, kv_len: int, block_q: int, block_k: int, causal
     return fig
 
 
+NO_BOUND = "none"
+"""The mask designer's window-side value for an unbounded side (``None`` in a window). A dropdown cannot hold
+``None``: ipywidgets reads it as no selection and shows the dropdown blank."""
+
+
+def _window_side(value):
+    """A window side from a dropdown: :data:`NO_BOUND` is ``None``, anything else the number it is."""
+    return None if value == NO_BOUND else value
+
+
 def mask_designer(q_len: int = 48, kv_len: int = 64, block_q: int = 8, block_k: int = 8, *, causal: bool = True,
                   window=(12, 0), segments: str = "none", figsize: tuple[float, float] = (11.0, 4.2)):
-    """Design a mask — causal, a window ``(left, right)`` (``None``: unbounded), a segment pattern, the lengths
-    and blocks — and see which elements are visible, which blocks the kernel skips, masks or runs plain,
-    and which key block each grid step fetches (:func:`draw_mask_design`). Nothing runs but
-    :mod:`flashlib.geometry`'s arithmetic, so every redraw is instant."""
+    """Design a mask — causal, a window ``(left, right)`` (``None``: unbounded, ``"none"`` in the dropdowns), a
+    segment pattern, the lengths and blocks — and see which elements are visible, which blocks the kernel skips,
+    masks or runs plain, and which key block each grid step fetches (:func:`draw_mask_design`). Nothing is
+    compiled: a redraw is NumPy on :mod:`flashlib.geometry`'s rules and one figure of a few collections."""
     import ipywidgets as widgets
 
-    sides = [("none", None)] + [(str(n), n) for n in (0, 1, 2, 4, 8, 12, 16, 24, 32)]
+    sides = [(NO_BOUND, NO_BOUND)] + [(str(n), n) for n in (0, 1, 2, 4, 8, 12, 16, 24, 32)]
+    left, right = (None, None) if window is None else window
     lengths = [8, 16, 24, 32, 40, 48, 56, 64, 80, 96]
     controls = {
         "q_len": widgets.Dropdown(options=lengths, value=q_len, description="q_len"),
@@ -272,16 +321,19 @@ def mask_designer(q_len: int = 48, kv_len: int = 64, block_q: int = 8, block_k: 
         "block_q": widgets.Dropdown(options=[4, 8, 16, 32], value=block_q, description="block_q"),
         "block_k": widgets.Dropdown(options=[4, 8, 16, 32], value=block_k, description="block_k"),
         "causal": widgets.Dropdown(options=[("yes", True), ("no", False)], value=causal, description="causal"),
-        "left": widgets.Dropdown(options=sides, value=None if window is None else window[0], description="left"),
-        "right": widgets.Dropdown(options=sides, value=None if window is None else window[1], description="right"),
+        "left": widgets.Dropdown(options=sides, value=NO_BOUND if left is None else left, description="left"),
+        "right": widgets.Dropdown(options=sides, value=NO_BOUND if right is None else right, description="right"),
         "segments": widgets.Dropdown(options=list(SEGMENT_PATTERNS), value=segments, description="segments"),
     }
 
+    def draw(left, right, **values) -> Figure:
+        return draw_mask_design(left=_window_side(left), right=_window_side(right), **values, figsize=figsize)
+
     def redraw(**values) -> None:
-        _show(draw_mask_design(**values, figsize=figsize))
+        _show(draw(**values))
 
     output = widgets.interactive_output(redraw, controls)
-    still = draw_mask_design(**{name: control.value for name, control in controls.items()}, figsize=figsize)
+    still = draw(**{name: control.value for name, control in controls.items()})
     rows = [widgets.HBox([controls[a], controls[b]]) for a, b in (("q_len", "kv_len"), ("block_q", "block_k"),
                                                                   ("causal", "segments"), ("left", "right"))]
     return explorer_box([*rows, output], still, "mask designer")

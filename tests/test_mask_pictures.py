@@ -113,6 +113,52 @@ def test_mask_designer_redraws_and_carries_a_still_picture(shown):
     assert any("masked" in title for title in titles) and any("compacted" in ax.get_xlabel() for ax in shown[-1].axes)
 
 
+def test_mask_designer_offers_an_unbounded_side_that_a_dropdown_can_hold(shown):
+    """ipywidgets reads a ``None`` value as no selection (a blank dropdown): "none" stands for it."""
+    box = widgets.mask_designer(q_len=32, kv_len=48, block_q=8, block_k=8, causal=True, window=(None, 4))
+    left, right = box.children[3].children
+    assert (left.description, right.description) == ("left", "right")
+    assert (left.value, left.label, left.index) == (widgets.NO_BOUND, "none", 0)
+    assert (right.value, right.label) == (4, "4")
+    right.value = widgets.NO_BOUND
+    assert (right.label, right.index) == ("none", 0)
+    assert shown[-1].axes[0].get_title() == "q_len 32, kv_len 48, window None"
+    left.value = 8
+    assert shown[-1].axes[0].get_title() == "q_len 32, kv_len 48, window (8, None)"
+
+
+def test_the_segment_tables_in_numpy_are_the_kernels_tables():
+    """The pictures compute :func:`flashlib.masks.segment_block_table` in NumPy (no JAX dispatch, no compile per
+    shape, so the mask designer redraws at once): the same tables as the kernels' JAX ones."""
+    from flashlib import masks  # noqa: PLC0415
+
+    for q_len, kv_len, block_q, block_k, causal, window, segments in DESIGNS:
+        ids = widgets.design_segments("4 short" if segments == "none" else segments, q_len, kv_len)
+        num_q, num_kv = -(-q_len // block_q), -(-kv_len // block_k)
+        q_ids = np.pad(np.asarray(ids["q_segments"]), (0, num_q * block_q - q_len))[None]
+        kv_ids = np.pad(np.asarray(ids["kv_segments"]), (0, num_kv * block_k - kv_len))[None]
+        band = viz.block_plan(q_len, kv_len, block_q, block_k, causal=causal, window=window).kinds > 0
+        blocks = dict(outer_len=q_len, inner_len=kv_len, outer_block=block_q, inner_block=block_k, band_visible=band)
+        in_jax = masks.segment_block_table(q_ids, kv_ids, **blocks)
+        in_numpy = masks.segment_block_table(q_ids, kv_ids, **blocks, xp=np)
+        assert all(isinstance(table, np.ndarray) for table in in_numpy)
+        for want, got in zip(in_jax, in_numpy, strict=True):
+            np.testing.assert_array_equal(np.asarray(want), got)
+
+
+def test_a_big_fetch_schedule_is_a_few_artists_and_drops_unreadable_numbers():
+    """A 24 x 24 grid: collections, not a patch (and a text) per cell, which took seconds to draw."""
+    plan = viz.block_plan(96, 96, 4, 4, causal=True)
+    fig = widgets.draw_mask_design(96, 96, 4, 4, True, None, None, "none")
+    plan_ax, fetch_ax = fig.axes[1], fig.axes[2]
+    assert not plan_ax.patches and not fetch_ax.patches and len(fetch_ax.collections) <= 6
+    assert not fetch_ax.texts  # cells of a few points: the outlines and the title count the copies
+    assert f"{plan.copies} k/v block copies" in fetch_ax.get_title()
+    small = viz.plot_fetch_schedule(viz.block_plan(32, 32, 8, 8, causal=True))
+    assert [t.get_text() for t in small.axes[0].texts] == [str(int(b)) for b in viz.block_plan(32, 32, 8, 8,
+                                                                                              causal=True).fetched.ravel()]
+
+
 def test_variant_estimates_table_is_complete_and_drawn():
     window = perf_plots.select(VARIANTS, kind="window")
     assert [r["T"] for r in window] == [2048, 4096, 8192, 16384, 32768]

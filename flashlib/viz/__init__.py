@@ -43,7 +43,13 @@ from flashlib.viz.tiles import (
     plot_tiling_step,
     tiling_steps,
 )
-from flashlib.viz.tpu import plot_matmul_step, plot_tpu_anatomy
+from flashlib.viz.tpu import (
+    BufferedStep,
+    double_buffer_schedule,
+    plot_double_buffering,
+    plot_matmul_step,
+    plot_tpu_anatomy,
+)
 
 __all__ = [
     "KINDS", "PAIR_COLORS", "PALETTE", "SERIES_COLORS", "BlockPlan", "OnlineStep", "TileStep", "animate",
@@ -55,4 +61,5 @@ __all__ = [
     "split_weights", "tiling_steps", "to_jshtml", "visibility",
     "PAIR_WORK", "RingStepTime", "plot_ring_timeline", "ring_timeline",  # notebook 11: a ring step's timeline
     "plot_pages_per_step",  # notebook 10: how pages_per_step groups a sequence's pages into grid steps
+    "BufferedStep", "double_buffer_schedule", "plot_double_buffering",  # notebook 05: the copies under the compute
 ]

@@ -13,12 +13,13 @@ from typing import NamedTuple
 
 import numpy as np
 from matplotlib.axes import Axes
-from matplotlib.colors import ListedColormap
+from matplotlib.collections import LineCollection, PolyCollection
+from matplotlib.colors import ListedColormap, to_rgba
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
 from flashlib import geometry, masks
-from flashlib.viz.figures import PALETTE, draw_tile, figure_and_axes
+from flashlib.viz.figures import PALETTE, figure_and_axes
 
 __all__ = ["KINDS", "BlockPlan", "block_plan", "plot_block_plan", "plot_fetch_schedule", "plot_head_groups",
            "plot_softcap", "plot_visibility", "visibility"]
@@ -77,7 +78,7 @@ def block_plan(q_len: int, kv_len: int, block_q: int, block_k: int, *, causal: b
         kv_ids = np.pad(np.asarray(kv_segments), (0, num_kv * block_k - kv_len))[None]
         live, table_fetch = (np.asarray(x)[0] for x in masks.segment_block_table(
             q_ids, kv_ids, outer_len=q_len, inner_len=kv_len, outer_block=block_q, inner_block=block_k,
-            band_visible=visible))
+            band_visible=visible, xp=np))
         visible = visible & live
     needs = np.broadcast_to(geometry.block_needs_mask(i, j, **blocks) | (q_segments is not None), (num_q, num_kv))
     kinds = np.where(visible, np.where(needs, 1, 2), 0)
@@ -100,12 +101,37 @@ def block_plan(q_len: int, kv_len: int, block_q: int, block_k: int, *, causal: b
                      compacted=bool(compacted))
 
 
+def _cells(ax: Axes, cols, rows, color: str, alpha: float, *, hatch: str = "", edge: str = "white",
+           inset: float = 0.0, lw: float = 1.0) -> None:
+    """Unit squares at ``(cols[n], rows[n])``, filled with ``color`` at ``alpha`` and outlined in ``edge`` (with
+    ``hatch``), as two collections of vertex arrays: a few artists however many cells (a 24 x 24 grid of
+    single patches took seconds to draw). ``color="none"``: the outline alone."""
+    x, y = np.asarray(cols, float)[:, None] + inset, np.asarray(rows, float)[:, None] + inset
+    side = 1 - 2 * inset
+    squares = np.stack([x + np.array([0, side, side, 0]), y + np.array([0, 0, side, side])], axis=-1)  # [n, 4, 2]
+    if not len(squares):
+        return
+    if color != "none":
+        ax.add_collection(PolyCollection(squares, facecolor=to_rgba(color, alpha), edgecolor="none"))
+    ax.add_collection(PolyCollection(squares, facecolor="none", edgecolor=edge, hatch=hatch or None, lw=lw))
+
+
+def _cell_points(ax: Axes, rows: int, cols: int) -> float:
+    """About the side, in points, of one cell of a ``rows x cols`` equal-aspect grid on ``ax``: from the axes' size
+    before layout, less a fifth for the titles and labels the layout makes room for (enough to pick a font size
+    and a line width)."""
+    box = ax.get_position()
+    width, height = box.width * ax.figure.get_figwidth(), box.height * ax.figure.get_figheight()
+    return 0.8 * 72 * min(width / max(cols, 1), height / max(rows, 1))
+
+
 def _grid_axes(ax: Axes, rows: int, cols: int, xlabel: str, ylabel: str) -> None:
     ax.set_xlim(-0.05, cols + 0.05)
     ax.set_ylim(rows + 0.05, -0.05)
     ax.set_aspect("equal")
-    ax.set_xticks(np.arange(cols) + 0.5, labels=[str(n) for n in range(cols)])
-    ax.set_yticks(np.arange(rows) + 0.5, labels=[str(n) for n in range(rows)])
+    every = int(np.ceil(9 / _cell_points(ax, rows, cols)))  # a label per 9 points or more: two digits fit
+    ax.set_xticks(np.arange(0, cols, every) + 0.5, labels=[str(n) for n in range(0, cols, every)])
+    ax.set_yticks(np.arange(0, rows, every) + 0.5, labels=[str(n) for n in range(0, rows, every)])
     ax.tick_params(length=0, labelsize=7)
     ax.set_xlabel(xlabel, fontsize=9)
     ax.set_ylabel(ylabel, fontsize=9)
@@ -141,12 +167,14 @@ def plot_block_plan(plan: BlockPlan, *, ax: Axes | None = None, title: str | Non
     fig, ax = figure_and_axes(ax, (1.2 + 0.45 * cols, 1.0 + 0.45 * rows))
     style = {0: (PALETTE["skipped"], 0.35, "", "white"), 1: (PALETTE["S"], 0.45, "///", PALETTE["masked"]),
              2: (PALETTE["S"], 0.85, "", "white")}
-    for (i, j), kind in np.ndenumerate(plan.kinds):
-        color, alpha, hatch, edge = style[int(kind)]
-        draw_tile(ax, j, i, 1, 1, color, alpha, hatch=hatch, edge=edge)
-        if plan.empty[i, j]:
-            ax.plot([j + 0.2, j + 0.8], [i + 0.2, i + 0.8], color=PALETTE["ink"], lw=1)
-            ax.plot([j + 0.2, j + 0.8], [i + 0.8, i + 0.2], color=PALETTE["ink"], lw=1)
+    for kind in (0, 2, 1):  # masked last: its red outline on top of its neighbours' white ones
+        color, alpha, hatch, edge = style[kind]
+        rows_, cols_ = np.nonzero(plan.kinds == kind)
+        _cells(ax, cols_, rows_, color, alpha, hatch=hatch, edge=edge)
+    crosses = [seg for i, j in zip(*np.nonzero(plan.empty), strict=True)
+               for seg in (((j + 0.2, i + 0.2), (j + 0.8, i + 0.8)), ((j + 0.2, i + 0.8), (j + 0.8, i + 0.2)))]
+    if crosses:
+        ax.add_collection(LineCollection(crosses, colors=PALETTE["ink"], lw=1))
     _grid_axes(ax, rows, cols, "key block j", "query block i")
     counts = plan.counts
     heading = f"{counts['plain']} plain, {counts['masked']} masked, {counts['skipped']} skipped"
@@ -160,20 +188,25 @@ def plot_block_plan(plan: BlockPlan, *, ax: Axes | None = None, title: str | Non
 
 def plot_fetch_schedule(plan: BlockPlan, *, ax: Axes | None = None, title: str | None = None) -> Figure:
     """One cell per grid step (rows: query blocks, columns: kv grid steps), the number the key block its index
-    map fetches; gold where the step computes, grey where it skips; outlined where the block index changes,
-    i.e. where Pallas copies a k (and a v) block from HBM. The title counts the copies."""
+    map fetches (where a cell is big enough to read it); gold where the step computes, grey where it skips;
+    outlined where the block index changes, i.e. where Pallas copies a k (and a v) block from HBM. The title
+    counts the copies."""
     rows, cols = plan.fetched.shape
     fig, ax = figure_and_axes(ax, (1.2 + 0.45 * cols, 1.0 + 0.45 * rows))
     flat = plan.fetched.ravel()
-    for n, block in enumerate(flat):
-        i, s = divmod(n, cols)
-        live = bool(plan.computes[i, s])
-        draw_tile(ax, s, i, 1, 1, PALETTE["S"] if live else PALETTE["skipped"], 0.7 if live else 0.35)
-        copied = n == 0 or block != flat[n - 1]
-        if copied:
-            ax.add_patch(Rectangle((s + 0.06, i + 0.06), 0.88, 0.88, fill=False, lw=1.8, edgecolor=PALETTE["ink"]))
-        ax.text(s + 0.5, i + 0.5, str(int(block)), ha="center", va="center", fontsize=8,
-                fontweight="bold" if copied else "normal", color=PALETTE["ink"] if copied else "grey")
+    copied = np.r_[True, flat[1:] != flat[:-1]].reshape(rows, cols)  # the block index changed: Pallas copies
+    for live, color, alpha in ((True, PALETTE["S"], 0.7), (False, PALETTE["skipped"], 0.35)):
+        i, s = np.nonzero(plan.computes == live)
+        _cells(ax, s, i, color, alpha)
+    cell = _cell_points(ax, rows, cols)
+    i, s = np.nonzero(copied)
+    _cells(ax, s, i, "none", 0.0, edge=PALETTE["ink"], inset=0.06, lw=min(1.8, cell / 10))
+    size = min(8.0, cell / 1.6)  # a two-digit number fits the cell
+    if size >= 5:  # else the cells are too small to read: the outlines and the title's count tell the copies
+        for (i, s), block in np.ndenumerate(plan.fetched):
+            ax.text(s + 0.5, i + 0.5, str(int(block)), ha="center", va="center", fontsize=size,
+                    fontweight="bold" if copied[i, s] else "normal",
+                    color=PALETTE["ink"] if copied[i, s] else "grey")
     _grid_axes(ax, rows, cols, "kv grid step" + (" (compacted)" if plan.compacted else ""), "query block i")
     heading = f"{plan.copies} k/v block copies, {plan.fetched.size} grid steps"
     ax.set_title(f"{title}\n{heading}" if title else heading, fontsize=10)

@@ -112,7 +112,8 @@ def plot_vmem_budget(
     ax.set_yticks(y, labels=names)
     ax.set_ylim(-0.6, len(names) - 0.1)
     ax.set_xlim(0, max(float(left.max(initial=0.0)), max(limits.values(), default=0) / mib) * 1.22)
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, 0.0), borderaxespad=4.6, ncol=max(len(parts) + len(limits), 1),
+    entries = len(parts) + len(limits)  # in rows of up to three: one long row would squeeze the axes to fit its width
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, 0.0), borderaxespad=4.6, ncol=min(max(entries, 1), 3),
               fontsize=8, frameon=False)  # under the x label
     ax.set_xlabel("VMEM (MiB)")
     if title:

@@ -1,8 +1,10 @@
-"""The TPU as a kernel sees it (HBM, VMEM, the MXU) and one matmul step of a kernel's grid."""
+"""The TPU as a kernel sees it (HBM, VMEM, the MXU), one matmul step of a kernel's grid, and the double-buffered
+copies that overlap a grid step's compute."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from matplotlib.axes import Axes
 from matplotlib.colors import to_rgba
@@ -151,4 +153,75 @@ def plot_matmul_step(
                    Patch(facecolor=to_rgba(PALETTE["O"], 0.35), edgecolor=PALETTE["O"], hatch="//",
                          label="acc in VMEM"), Patch(color=to_rgba(PALETTE["O"], 0.6), label="O written (#order)")]
         ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=2, fontsize=7, frameon=False)
+    return fig
+
+
+# -- Double buffering: the copy of block s + 1 under the compute of block s ----------------------------
+
+
+class BufferedStep(NamedTuple):
+    """One grid step of a double-buffered pipeline: its block's VMEM buffer and when it is copied and used."""
+
+    step: int
+    buffer: int  # which of the two VMEM buffers holds this step's block: step % 2
+    copy: tuple[float, float]  # (start, end) of the DMA HBM -> VMEM
+    compute: tuple[float, float]  # (start, end) of the step's compute on that buffer
+
+
+def double_buffer_schedule(num_steps: int, copy_time: float = 0.6, compute_time: float = 1.0) -> list[BufferedStep]:
+    """When each copy and each compute runs in Pallas' double-buffered pipeline (one DMA engine, one core).
+
+    Before the grid, block 0 is copied: nothing to overlap it with. Step ``s`` then waits for its copy, issues
+    the copy of block ``s + 1`` into the other buffer (the one step ``s - 1`` just finished with), and computes
+    on block ``s``; the last step has no copy left to issue and computes alone.
+    """
+    if num_steps < 1 or copy_time <= 0 or compute_time <= 0:
+        raise ValueError(f"need num_steps >= 1 and positive times, got {num_steps}, {copy_time}, {compute_time}")
+    copies, steps = [(0.0, copy_time)], []
+    done = 0.0  # when the previous step's compute ended
+    for s in range(num_steps):
+        start = max(copies[s][1], done)  # the block is in VMEM and the core is free
+        if s + 1 < num_steps:
+            copies.append((start, start + copy_time))  # issued as step s begins, into the other buffer
+        done = start + compute_time
+        steps.append(BufferedStep(s, s % 2, copies[s], (start, done)))
+    return steps
+
+
+def plot_double_buffering(num_steps: int = 5, copy_time: float = 0.6, compute_time: float = 1.0, *,
+                          ax: Axes | None = None, title: str | None = None) -> Figure:
+    """The timeline of :func:`double_buffer_schedule`: a DMA lane (HBM → VMEM copies) over a compute lane, one
+    bar per grid step in each, coloured by the VMEM buffer the block lands in. The first copy runs alone
+    (exposed), each later copy under the previous step's compute, and the last step computes alone."""
+    steps = double_buffer_schedule(num_steps, copy_time, compute_time)
+    fig, ax = figure_and_axes(ax, (9.0, 2.9))
+    colors = (PALETTE["Q"], PALETTE["V"])
+    lanes = {"copy": 1.0, "compute": 0.0}
+    for st in steps:
+        for lane, (start, end), label in (("copy", st.copy, f"copy {st.step}"),
+                                          ("compute", st.compute, f"step {st.step}")):
+            ax.add_patch(Rectangle((start, lanes[lane] - 0.3), end - start, 0.6, facecolor=colors[st.buffer],
+                                   alpha=0.85 if lane == "copy" else 0.45, edgecolor="white", lw=1.5))
+            ax.text((start + end) / 2, lanes[lane], label, ha="center", va="center", fontsize=8.5,
+                    color="white" if lane == "copy" else PALETTE["ink"], fontweight="bold")
+    end = steps[-1].compute[1]
+    idle = ((0.0, steps[0].compute[0], lanes["compute"], "idle: waits\nfor copy 0"),  # the exposed first copy
+            (*steps[-1].compute, lanes["copy"], "no copy left:\nstep alone"))  # the last step, nothing under it
+    for start, stop, lane, label in idle:
+        ax.add_patch(Rectangle((start, lane - 0.3), stop - start, 0.6, fill=False, ls="--", lw=1.0,
+                               edgecolor=PALETTE["masked"]))
+        ax.text((start + stop) / 2, lane, label, ha="center", va="center", fontsize=8, color=PALETTE["masked"])
+    ink = PALETTE["ink"]
+    ax.set_yticks([1.0, 0.0], labels=["DMA engine\nHBM → VMEM", "compute\n(TensorCore)"])
+    ax.tick_params(axis="y", length=0, labelsize=9)
+    ax.set_xticks([])
+    ax.set_xlim(-0.05 * end, 1.02 * end)
+    ax.set_ylim(-0.55, 1.55)
+    ax.set_xlabel("time →", fontsize=9, color=ink)
+    for side in ("top", "right", "left"):
+        ax.spines[side].set_visible(False)
+    handles = [Patch(color=colors[b], alpha=0.85, label=f"VMEM buffer {b}") for b in (0, 1)]
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2, fontsize=8, frameon=False)
+    ax.set_title(title or f"Double buffering over {num_steps} grid steps: the copy of block s + 1 runs under "
+                 "the compute of block s", fontsize=10)
     return fig
