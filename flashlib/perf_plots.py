@@ -60,7 +60,7 @@ __all__ = [
 IMPL_COLORS: dict[str, str] = {"xla": SERIES_COLORS[0], "pallas": SERIES_COLORS[1], "jax_flash": SERIES_COLORS[4],
                                "prefill": SERIES_COLORS[1], "contiguous": SERIES_COLORS[3], "forward": SERIES_COLORS[5]}
 IMPL_NAMES: dict[str, str] = {"xla": "XLA (fused)", "pallas": "flashlib (Pallas)", "jax_flash": "JAX flash_attention",
-                              "prefill": "prefill (flashlib forward, q_len = T)",  # the decode roofline's series
+                              "prefill": "prefill (flashlib forward, q_len = T, non-causal)",  # the decode roofline's
                               "contiguous": "decode kernel, 1 new token", "forward": "training kernel, 1 new token"}
 RATIO_SCALE = (1.0, 2.0)  # heat-map colours: multiple of the best, x1 lightest, x2 and beyond darkest
 DARK_RATIO = 1.5  # from here the cell's label is white
@@ -138,6 +138,21 @@ def plot_decode_roofline(points: Sequence[RooflinePoint], generation: str, ax: A
     chip = hardware.CHIPS[generation]
     fig, ax = figure_and_axes(ax, (6.5, 4.6))
     plot_roofline(points, generation, ax=ax, title=title or f"{generation}: decoding and prefill on the roofline")
+    for text in [t for t in ax.texts if t.get_text().startswith("T=")]:
+        text.remove()  # plot_roofline's one label a series: relabelled below
+    for impl in dict.fromkeys(p.impl for p in points):
+        mine = sorted((p for p in points if p.impl == impl), key=lambda p: p.seq)
+        color = IMPL_COLORS.get(impl, PALETTE["ink"])
+        if len({p.intensity for p in mine}) == 1:  # one intensity: the points overlap, so one label names them all
+            top = max(mine, key=lambda p: p.tflops)
+            ax.annotate("T=" + ", ".join(f"{p.seq // 1024}k" if p.seq >= 1024 else str(p.seq) for p in mine),
+                        (top.intensity, top.tflops), textcoords="offset points", xytext=(7, -4), fontsize=7,
+                        color=color)
+            continue
+        past = [p for p in mine if p.intensity > chip.ridge_point][:1]  # the first point past the ridge
+        for p in dict.fromkeys([mine[0], *past, mine[-1]]):
+            ax.annotate(f"T={p.seq}", (p.intensity, p.tflops), textcoords="offset points", xytext=(5, -10),
+                        fontsize=7, color=color)
     left, bottom = ax.get_xlim()[0], ax.get_ylim()[0]
     ax.axvspan(left, chip.ridge_point, color=PALETTE["skipped"], alpha=0.18, lw=0, zorder=0)
     ax.set_xlim(left=left)

@@ -109,7 +109,7 @@ def test_wrong_pages_are_named(answer, message):
 
 
 def test_the_hints_end_in_the_solutions():
-    assert nb10.COMBINE_SPLITS.levels == 4 and nb10.PAGE_TO_COPY.levels == 3
+    assert nb10.COMBINE_SPLITS.levels == 3 and nb10.PAGE_TO_COPY.levels == 3  # two hints, then the solution
     for puzzle in (nb10.COMBINE_SPLITS, nb10.PAGE_TO_COPY):
         assert "def " in puzzle.solution_source()
     assert "merge_states" not in nb10.COMBINE_SPLITS.solution_source()
@@ -335,3 +335,29 @@ def test_wrong_paged_decode_kernels_are_named(kernel_change, map_change, message
 def test_a_single_function_is_not_the_pair():
     with pytest.raises(CheckFailed, match="give the pair"):
         nb10k.check_paged_decode(_KERNEL)
+
+
+# -- exercise 4: what a page size wastes --------------------------------------------------------------------------
+
+
+def test_page_waste_stub_solution_and_exact_mean(capsys):
+    assert nb10k.PAGE_WASTE.use(_stub) == nb10k.page_waste_solution()
+    assert "not attempted yet" in capsys.readouterr().out
+    nb10k.PAGE_WASTE.check(nb10k.page_waste_solution)
+    assert "64 tokens" in capsys.readouterr().out
+    nb10k.check_page_waste({page: ((page - 1) / 2, (page - 1) / 2 / 4096) for page in (128, 512)})  # exact mean
+
+
+@pytest.mark.parametrize(("answer", "message"), [
+    ({128: (64, 64 / 4096)}, "one entry per page size"),
+    ([(64, 64 / 4096), (256, 256 / 4096)], "one entry per page size"),
+    ({128: 64, 512: 256}, "give a pair"),
+    ({page: (page, page / 4096) for page in (128, 512)}, "a whole page"),
+    ({page: (page / 4, page / 4 / 4096) for page in (128, 512)}, "page_size / 2 on average"),
+    ({page: (page / 2, page / 2 / 4096 * 100) for page in (128, 512)}, "is a percentage"),
+    ({page: (page / 2, page / 2 / 4095) for page in (128, 512)}, "the tokens wasted over"),
+    ({128: (64, 64 / 4096), 512: (256, 128 / 4096)}, "512-token pages — share"),
+])
+def test_wrong_page_waste_answers_are_named(answer, message):
+    with pytest.raises(CheckFailed, match=message):
+        nb10k.check_page_waste(answer)

@@ -269,6 +269,7 @@ def test_decode_roofline_points_and_plot():
     fig = perf_plots.plot_decode_roofline(points + prefill, "v5e")
     labels = {line.get_label() for line in fig.axes[0].lines}
     assert {"decode kernel, 1 new token", "training kernel, 1 new token",
-            "prefill (flashlib forward, q_len = T)"} <= labels
+            "prefill (flashlib forward, q_len = T, non-causal)"} <= labels
     texts = _texts(fig)
+    assert "T=4k, 16k, 64k" in texts and "T=128" in texts and "T=512" in texts and "T=4096" in texts
     assert "memory bound" in texts and "compute bound" in texts and f"ridge {chip.ridge_point:.0f} FLOP/B" in texts

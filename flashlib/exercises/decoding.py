@@ -148,11 +148,8 @@ COMBINE_SPLITS = Puzzle(
         "Three steps: the common maximum `m` over the splits (`jnp.maximum`, split by split); each split's factor "
         "`e^(m_i - m)`, at most 1, which multiplies its `l` and its `acc` (`acc` has one more axis: `[..., None]`); "
         "sum them, then `acc / l`. A split that saw no key has `m_i = -inf`, so its factor is 0 — unless every "
-        "split is `-inf` on that row, where `-inf - (-inf)` is NaN.",
-        "`top = jnp.maximum(...)` over the `s.m`; `safe = jnp.where(jnp.isfinite(top), top, 0.0)`; "
-        "`total = sum(jnp.exp(s.m - safe) * s.l for s in states)` and the same for `acc` with the factor's "
-        "`[..., None]`; return `jnp.where(total[..., None] > 0, acc / jnp.where(total > 0, total, 1.0)[..., None], "
-        "0.0)` (a row no split saw is 0).",
+        "split is `-inf` on that row, where `-inf - (-inf)` is NaN: subtract a maximum that is 0 there instead, "
+        "and divide only where the summed `l` is positive (such a row is 0).",
     ),
 )
 
@@ -195,8 +192,9 @@ PAGE_TO_COPY = Puzzle(
         "Step `j` wants the sequence's `j`-th page, `table_row[j]` — while that page holds tokens. How many "
         "pages hold tokens? `ceil(length / page_size)`; the last of them has index one less (and an empty "
         "sequence still needs *some* valid page to name: use index 0).",
-        "Clamp the step to the last live page: `table_row[min(step, last)]`. Past it, every step names the same "
-        "page as the step before, and Pallas copies a block only when its index changes.",
+        "Clamp the step to that last live index before you look it up in the row: past it, every step then names "
+        "the same page as the step before, and Pallas copies a block only when its index changes. Stay in "
+        "integers for the ceiling: floor division of the negated length rounds the other way.",
     ),
 )
 
@@ -338,8 +336,9 @@ DECODE_INTENSITY = Puzzle(
     (
         "Count per cached key: every query row (`heads * q_len` of them) does a dot product with its K row and "
         "adds its V row weighted by p: `head_dim` multiply-adds each. The bytes are that key's K and V rows.",
-        "FLOPs `4 * heads * q_len * head_dim` (a multiply-add is 2 FLOPs, two of them per element); bytes "
-        "`2 * kv_heads * head_dim * itemsize` (K and V, one row per kv head: a GQA group shares it).",
+        "Per cached key, each of those rows does two dot products of length `head_dim` (q·k, then p·v), and a "
+        "multiply-add is 2 FLOPs. For the bytes, ask how many K rows and V rows that key has: one per *kv* head, "
+        "not per query head — a GQA group shares them.",
     ),
 )
 
@@ -392,7 +391,8 @@ WRITE_TOKEN = Puzzle(
     (
         "Token `position` is in the sequence's logical page `position // page_size`, at slot `position % "
         "page_size`; the block table says which pool page holds that logical page.",
-        "`page = block_table[seq, position // page_size]`, then `k_pages.at[page, :, position % page_size]"
-        ".set(k_new)`: one slot of one page, for every kv head at once.",
+        "Two lookups: the block table at the sequence's row and its logical page gives the pool page; inside that "
+        "page, the slot. The pool's axes are `[num_pages, kv_heads, page_size, head_dim]`: keep every kv head. "
+        "jnp arrays are immutable: `.at[index].set(value)` returns the updated copy.",
     ),
 )

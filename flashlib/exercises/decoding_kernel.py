@@ -1,6 +1,7 @@
 """Notebook 10's puzzle 3, :data:`PAGED_DECODE_KERNEL`: the paged decode kernel in Pallas — its clamped index map
 over the block table (puzzle 2's ``page_to_copy``, in-kernel on SMEM refs) and its body (init, pages past the
-length skipped, the partly filled last page masked, the online update, finalize).
+length skipped, the partly filled last page masked, the online update, finalize). And exercise 4,
+:data:`PAGE_WASTE`: what a page size wastes in a sequence's half-empty last page (a value answer).
 
 The setting is :mod:`flashlib.kernels.tpu_decode`'s, cut down: one kv head, one new token per sequence, its GQA
 group's query heads packed as the ``rows`` of ``q [batch, rows, d]``; a pool ``k_pages``, ``v_pages
@@ -29,8 +30,8 @@ from flashlib.exercises.flash_kernel_solutions import NT_DIMS
 from flashlib.exercises.puzzle import Puzzle
 from flashlib.geometry import MASK_VALUE
 
-__all__ = ["PAGED_DECODE_KERNEL", "check_paged_decode", "page_index_map_solution", "paged_decode",
-           "paged_decode_kernel_solution"]
+__all__ = ["PAGED_DECODE_KERNEL", "PAGE_WASTE", "check_paged_decode", "check_page_waste", "page_index_map_solution",
+           "page_waste_solution", "paged_decode", "paged_decode_kernel_solution"]
 
 
 # -- the solution ------------------------------------------------------------------------------------------------
@@ -330,4 +331,55 @@ PAGED_DECODE_KERNEL = Puzzle(
         "v_ref[...], 0.0)` — a stale NaN survives an added mask, and NaN times p = 0 is still NaN. Then notebook "
         "06's online update with `v` in place of `v_ref[...]`.",
     ),
+)
+
+
+# -- exercise 4: what a page size wastes -------------------------------------------------------------------------
+CACHE_LEN = 4096  # section 5's sequence length
+
+
+def page_waste_solution():
+    # -> {page_size: (tokens wasted per sequence on average, that waste's share of a 4096-token cache)}
+    return {page: (page / 2, page / 2 / 4096) for page in (128, 512)}  # a random length: its last page half empty
+
+
+def check_page_waste(answer) -> None:
+    """``{page_size: (wasted, share)}`` for 128- and 512-token pages: the slots a sequence of random length leaves
+    empty in its last page on average (``page_size / 2``; the exact ``(page_size - 1) / 2`` passes too) and their
+    share of a :data:`CACHE_LEN`-token cache, as a fraction."""
+    if not isinstance(answer, dict) or sorted(answer) != [128, 512]:
+        raise CheckFailed("failed: page waste — return a dict with one entry per page size: {128: (wasted, share), "
+                          "512: (wasted, share)}")
+    for page in (128, 512):
+        if np.size(answer[page]) != 2:
+            raise CheckFailed(f"failed: page waste, {page}-token pages — give a pair (tokens wasted, share)")
+        wasted, share = (float(x) for x in answer[page])
+        if not any(np.isclose(wasted, w, rtol=0, atol=1e-9) for w in (page / 2, (page - 1) / 2)):
+            why = ("a whole page: the length ends anywhere in its last page, uniformly, so on average half of that "
+                   "page is empty" if np.isclose(wasted, page) else "the empty slots of the last page range "
+                   "evenly from none to nearly all of it: page_size / 2 on average")
+            raise CheckFailed(f"failed: page waste, {page}-token pages — {wasted:g} tokens wasted a sequence, "
+                              f"expected {page / 2:g}: {why}")
+        if np.isclose(share, 100 * wasted / CACHE_LEN, rtol=1e-6, atol=0):
+            raise CheckFailed(f"failed: page waste, {page}-token pages — share {share:g} is a percentage: give the "
+                              f"fraction, wasted / {CACHE_LEN}")
+        if not np.isclose(share, wasted / CACHE_LEN, rtol=1e-6, atol=0):
+            raise CheckFailed(f"failed: page waste, {page}-token pages — share {share:g}, expected "
+                              f"{wasted / CACHE_LEN:g}: the tokens wasted over the sequence's {CACHE_LEN} tokens")
+    print(f"passed: a half-empty last page wastes about {answer[128][0]:g} tokens a sequence with 128-token pages "
+          f"({answer[128][1]:.2%} of a {CACHE_LEN}-token cache) and {answer[512][0]:g} with 512-token pages "
+          f"({answer[512][1]:.2%})")
+
+
+PAGE_WASTE = Puzzle(
+    "exercise 4: choosing a page size",
+    check_page_waste,
+    page_waste_solution,
+    (
+        "A random length ends anywhere in its last page, uniformly: that page may be nearly full or nearly empty. "
+        "On average, how many of its slots hold no token?",
+        "The average of the empty slots is half a page. Its share is that count over the 4096 tokens the "
+        "sequence holds, as a fraction (not a percentage).",
+    ),
+    answer_is_value=True,
 )

@@ -263,9 +263,9 @@ def _number(x: float) -> str:
 def plot_split_kv(bounds: Sequence[tuple[int, int]], m: Sequence[float], l: Sequence[float],
                   length: int, *, ax: Axes | None = None, title: str | None = None) -> Figure:
     """Split-KV for one query row: the cache's keys cut into ``bounds`` (keys at and past ``length`` greyed),
-    each split's partial state ``(m_i, l_i, acc_i)`` below it, and arrows into the merged state, each labelled
-    with the split's share of the softmax (:func:`split_weights`); the merge's formula is not written out (it is
-    notebook 10's puzzle 1)."""
+    each split's partial state ``(m_i, l_i, acc_i)`` below it, and arrows into the merged state, each as wide as
+    (proportional to) and labelled with the split's share of the softmax (:func:`split_weights`); the merge's
+    formula is not written out (it is notebook 10's puzzle 1)."""
     if not (len(bounds) == len(m) == len(l)) or not bounds:
         raise ValueError(f"one (m, l) per split: got {len(bounds)} bounds, {len(m)} m and {len(l)} l")
     top, total, weights = split_weights(m, l)
@@ -293,7 +293,7 @@ def plot_split_kv(bounds: Sequence[tuple[int, int]], m: Sequence[float], l: Sequ
         ax.add_patch(FancyArrowPatch((cx, 3.95), (cx, 3.25), arrowstyle="-|>", mutation_scale=8,
                                      color=PALETTE["ink"], lw=0.8))
         ax.add_patch(FancyArrowPatch((cx, 2.25), (width / 2, 0.95), arrowstyle="-|>", mutation_scale=8,
-                                     color=PALETTE["O"], lw=0.6 + 4.0 * float(weights[i]), alpha=0.8))
+                                     color=PALETTE["O"], lw=10.0 * float(weights[i]), alpha=0.8))  # width ∝ share
         ax.text(cx + 0.3 * (width / 2 - cx), 1.86, f"{100 * weights[i]:.0f}%", ha="center", va="center",
                 fontsize=7, color=PALETTE["O"], bbox={"boxstyle": "round,pad=0.15", "facecolor": "white",
                                                        "edgecolor": "none"})
