@@ -187,3 +187,7 @@ def test_the_pictures_draw_what_they_are_given():
                               [chunks_of_device((i - 1) % 4, 4, None) for i in range(4)], work[1],
                               full_work=float(work.max()))
     assert [t.get_text().split("\n")[2] for t in step.axes[0].texts] == ["kv 3", "kv 0", "kv 1", "kv 2"]
+    plain = viz.plot_ring_step(1, [[i] for i in range(4)], [[(i - 1) % 4] for i in range(4)], [1] * 4, full_work=1,
+                               merged=[[i, (i - 1) % 4] for i in range(4)])  # no mask: the running state's chunks
+    merged = [t.get_text().split("\n")[3] for t in plain.axes[0].texts]
+    assert merged == [f"out: kv {i},{(i - 1) % 4}" for i in range(4)]

@@ -384,6 +384,14 @@ def test_plot_chunk_pairs_draws_a_square_per_pair_and_a_legend():
     assert labels == sorted(f"{d},{s}" for d in range(3) for s in range(2))  # one square per (step, device) pair
     assert [t.get_text() for t in ax.get_legend().get_texts()] == ["full", "diagonal", "skip"]
     assert len([p for p in ax.patches if p.__class__.__name__ == "Polygon"]) == 4  # 2 diagonals, two halves each
+    squares = [p for p in ax.patches if p.__class__.__name__ == "Rectangle"]
+    for text in ax.texts:  # a diagonal's label sits in its masked upper-right half, clear of the triangle
+        a, b = map(int, text.get_text().split(","))
+        x, y = text.get_position()
+        (square,) = [p for p in squares if 0 < x - p.get_x() < 1 and 0 < y - p.get_y() < 1]
+        dx, dy = x - square.get_x(), y - square.get_y()
+        assert (dx + dy > 1.2 if a == b else (dx, dy) == (0.5, 0.5)), (a, b, dx, dy)
+    assert "query chunks down, key/value chunks across" in ax.get_xlabel()
 
 
 def test_plot_ring_work_outlines_every_busiest_device_and_none_where_all_tie():

@@ -137,13 +137,14 @@ def _check_large_scores(ring_step: Callable, q, first, second, scale: float, ora
 
 
 RING_STEP = Puzzle("puzzle: one ring step", check_ring_step, ring_step_solution, (
-    "First compute the chunk on its own: scores `s = q @ k.T * scale`, their log-sum-exp per row "
-    "`lse_chunk` (subtract the row max before `exp`, add it back after the `log`), and the chunk's normalised "
-    "output `out_chunk = exp(s - lse_chunk[:, None]) @ v`.",
-    "The two sides' denominators add: `lse_new = jnp.logaddexp(lse, lse_chunk)` (which also handles the empty "
-    "state, `lse = -inf`). Each side's output is normalised over its own keys, so it counts with its share of "
-    "the new denominator: `out_new = exp(lse - lse_new)[:, None] * out + exp(lse_chunk - lse_new)[:, None] * "
-    "out_chunk`. This is notebook 03's merge with `m = lse`, `l = 1`, `acc = out`.",
+    "Two quantities describe the chunk on its own, as section 3 wrote them: its log-sum-exp per query row, "
+    "`lse_chunk` (the log of its softmax denominator), and its output normalised over its own keys, "
+    "`out_chunk`. Compute them as notebook 03 did, with the row max subtracted before `exp` so that scores of "
+    "about 150 do not overflow. Then the running `(out, lse)` and the chunk's are two states to merge.",
+    "The merged denominator is the sum of the two: in log form `lse_new = log(e^lse + e^lse_chunk)` "
+    "(`jnp.logaddexp` computes it without overflow, and with `lse = -inf` as well). Each side's output is "
+    "normalised over its own keys; by what factor, written with `lse` and `lse_new`, must the old `out` be "
+    "scaled to count with its share of the new denominator? The chunk's side is the same with `lse_chunk`.",
 ))
 
 
@@ -174,8 +175,9 @@ CONTIGUOUS_IMBALANCE = Puzzle("exercise 1: the price of contiguous chunks", chec
     "Count in chunk pairs (a diagonal pair counts half). A step lasts as long as its busiest device. At step 0 "
     "every device computes its own diagonal; at each later step the device holding the last chunk computes a "
     "whole pair (every kv chunk that reaches it lies in its past).",
-    "The ring takes `0.5 + (n - 1)` pairs of time. The work is the causal half of the `n x n` pairs, `n^2 / 2`; "
-    "shared evenly by `n` devices it would take `n / 2`. The imbalance is the ratio of the two.",
+    "Add up the ring's time first: step 0 costs half a pair, each of the `n - 1` later steps a whole pair. The "
+    "ideal is the total causal work in pairs (which of the `n x n` pairs does the mask keep, the diagonal at "
+    "half?) shared evenly by the `n` devices.",
 ))
 
 
@@ -227,8 +229,9 @@ def check_zigzag_chunks(zigzag_chunks: Callable) -> None:
 ZIGZAG_CHUNKS = Puzzle("puzzle: the zig-zag assignment", check_zigzag_chunks, zigzag_chunks_solution, (
     "Cut the sequence into `2n` chunks, numbered `0 .. 2n-1`. Under the causal mask chunk `c`'s queries see "
     "`c + 1` key chunks: early chunks are cheap, late ones dear. Give each device one of each.",
-    "Device `i` takes chunk `i` from the front and its mirror from the back, `2n - 1 - i`: the sums "
-    "`i + (2n - 1 - i) = 2n - 1` are the same for every device. Return the early one first.",
+    "A chunk's causal work grows with its number, so a device's work grows with the sum of its two chunks' "
+    "numbers: make that sum the same for every device. Device 0 takes the first chunk and the last one; "
+    "which late chunk goes with device 1's early chunk 1? Return the early one first.",
 ))
 
 

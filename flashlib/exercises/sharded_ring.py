@@ -254,7 +254,7 @@ BACKWARD_RATIO = Puzzle("exercise 3: the backward ring's transfer", check_backwa
     "Per ring step and head, the backward receives the next k and v chunks (bf16, `2 * chunk * head_dim` values) "
     "and the dK and dV accumulators that follow them (f32, as many values again). It computes five "
     "`chunk x chunk x head_dim` matmuls, each `2 * chunk**2 * head_dim` FLOPs.",
-    "Time is bytes over `chip.ici_link_bandwidth` and FLOPs over `chip.peak_bf16_flops`: the transfer needs "
-    "`(2 * 2 + 2 * 4) * chunk * heads * head_dim` bytes, the compute `10 * chunk**2 * heads * head_dim` FLOPs; "
-    "return the first time over the second.",
+    "Time is bytes over `chip.ici_link_bandwidth` and FLOPs over `chip.peak_bf16_flops`, both for all `heads`. "
+    "Start with the bytes: k and v take 2 bytes a value, dK and dV 4, each `chunk * heads * head_dim` values. "
+    "The FLOPs are the five matmuls of hint 1; the answer is the transfer time over the compute time.",
 ))

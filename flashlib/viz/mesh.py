@@ -42,28 +42,33 @@ def plot_mesh(labels: Sequence[Sequence[str]], axis_names: tuple[str, str], *, t
 
 
 def plot_ring_step(step: int, queries: Sequence[Sequence[int]], holding: Sequence[Sequence[int]],
-                   work: Sequence[float], *, full_work: float, title: str | None = None,
-                   ax: Axes | None = None) -> Figure:
+                   work: Sequence[float], *, full_work: float, merged: Sequence[Sequence[int]] | None = None,
+                   title: str | None = None, ax: Axes | None = None) -> Figure:
     """One ring step: ``n`` devices on a circle, device ``i`` keeping query chunks ``queries[i]`` and holding
     key/value chunks ``holding[i]`` this step, filled by its share of the busiest possible step's work
-    (``work[i] / full_work``; grey: nothing to compute); arrows show where the chunks go next."""
+    (``work[i] / full_work``; grey: nothing to compute); arrows show where the chunks go next. ``merged[i]``,
+    if given: the key/value chunks device ``i``'s running ``(out, lse)`` holds after this step's merge."""
     n = len(queries)
+    radius = 0.3 if n > 4 else 0.42  # neighbours on the unit circle are 2 sin(pi / n) apart
     fig, ax = figure_and_axes(ax, (4.2, 4.2))
     angles = np.pi / 2 - 2 * np.pi * np.arange(n) / n
     xy = np.stack([np.cos(angles), np.sin(angles)], axis=1)
     for i in range(n):
         share = work[i] / full_work if full_work else 0.0
         color = PALETTE["skipped"] if share == 0 else PALETTE["S"]
-        ax.add_patch(Circle(xy[i], 0.3, facecolor=color, alpha=0.25 + 0.75 * min(share, 1.0),
+        ax.add_patch(Circle(xy[i], radius, facecolor=color, alpha=0.25 + 0.75 * min(share, 1.0),
                             edgecolor=PALETTE["ink"]))
-        ax.text(*xy[i], f"dev {i}\nq {','.join(map(str, queries[i]))}\nkv {','.join(map(str, holding[i]))}",
-                ha="center", va="center", fontsize=8)
+        label = f"dev {i}\nq {','.join(map(str, queries[i]))}\nkv {','.join(map(str, holding[i]))}"
+        if merged is not None:
+            label += f"\nout: kv {','.join(map(str, merged[i]))}"
+        ax.text(*xy[i], label, ha="center", va="center", fontsize=8 if merged is None else 7.5)
         start, end = xy[i] * 0.62, xy[(i + 1) % n] * 0.62
         if n > 1:
             ax.add_patch(FancyArrowPatch(start, end, arrowstyle="->", mutation_scale=9, color=PALETTE["K"],
                                          connectionstyle="arc3,rad=-0.25"))
-    ax.set_xlim(-1.32, 1.32)
-    ax.set_ylim(-1.32, 1.32)
+    edge = max(1.32, 1.06 + radius)  # the circles whole
+    ax.set_xlim(-edge, edge)
+    ax.set_ylim(-edge, edge)
     ax.set_aspect("equal")
     ax.axis("off")
     ax.set_title(title or f"step {step}", fontsize=9)

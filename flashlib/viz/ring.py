@@ -33,7 +33,7 @@ def plot_chunk_pairs(pairs: Sequence[Sequence[Mapping[tuple[int, int], str]]], *
     """``pairs[step][device]``: ``{(a, b): "full" | "diagonal" | "skip"}`` for the device's query chunks ``a``
     (rows of its small grid) against the key chunks ``b`` it holds that step (columns). One small grid per
     device (rows of the figure) and step (columns), each square labelled ``a,b``; a diagonal pair is drawn
-    half filled, the causal triangle it computes."""
+    half filled, the causal triangle it computes, its label in the masked half."""
     steps, n = len(pairs), len(pairs[0])
     side = max(len({a for a, _ in p}) for row in pairs for p in row)
     gap = 0.6
@@ -53,14 +53,15 @@ def plot_chunk_pairs(pairs: Sequence[Sequence[Mapping[tuple[int, int], str]]], *
                         ax.add_patch(Rectangle((x, y), 1, 1, facecolor="none", edgecolor="white"))
                     else:
                         ax.add_patch(Rectangle((x, y), 1, 1, facecolor=PAIR_COLORS[kind], edgecolor="white"))
-                    ax.text(x + 0.5, y + 0.5, f"{a},{b}", ha="center", va="center", fontsize=6,
-                            color=PALETTE["ink"])
+                    at = (x + 0.68, y + 0.7) if kind == "diagonal" else (x + 0.5, y + 0.5)  # clear of the triangle
+                    ax.text(*at, f"{a},{b}", ha="center", va="center", fontsize=8.5, color=PALETTE["ink"])
     ax.set_xlim(-0.2, steps * (side + gap) - gap + 0.2)
     ax.set_ylim(-0.2, n * (side + gap) - gap + 0.2)
     ax.set_aspect("equal")
     ax.set_xticks([s * (side + gap) + side / 2 for s in range(steps)], labels=[f"step {s}" for s in range(steps)])
     ax.set_yticks([(n - 1 - d) * (side + gap) + side / 2 for d in range(n)], labels=[f"dev {d}" for d in range(n)])
     ax.tick_params(length=0, labelsize=8)
+    ax.set_xlabel("in each small grid: query chunks down, key/value chunks across (square a,b)", fontsize=8)
     for spine in ax.spines.values():
         spine.set_visible(False)
     ax.legend(handles=[Patch(facecolor=color, label=kind) for kind, color in PAIR_COLORS.items()],
