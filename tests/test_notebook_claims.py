@@ -222,6 +222,7 @@ CLAIMS: dict[str, list[Claim]] = {
         Claim("(query 0-4 with keys 0-6 here)", r"passed: 'segments' is the oracle's mask"),
     ],
     "11_scaling_out.ipynb": [
+        Claim("the compiled ring holds 14 collective-permutes: 7 transfers", r"'collective-permute': 14,"),
         Claim("so the ring takes 1.87x the ideal time on 8 devices", r"contiguous: the ring takes 1\.87\dx the time"),
         Claim("(1.87x the ideal\n  time on 8 devices)", r"contiguous: the ring takes 1\.87\dx the time"),
         Claim("its 6 ports, one per neighbour of its 3D torus, and its 100 GB/s are derived",

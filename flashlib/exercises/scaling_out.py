@@ -230,8 +230,8 @@ ZIGZAG_CHUNKS = Puzzle("puzzle: the zig-zag assignment", check_zigzag_chunks, zi
     "Cut the sequence into `2n` chunks, numbered `0 .. 2n-1`. Under the causal mask chunk `c`'s queries see "
     "`c + 1` key chunks: early chunks are cheap, late ones dear. Give each device one of each.",
     "A chunk's causal work grows with its number, so a device's work grows with the sum of its two chunks' "
-    "numbers: make that sum the same for every device. Device 0 takes the first chunk and the last one; "
-    "which late chunk goes with device 1's early chunk 1? Return the early one first.",
+    "numbers: make the sum of a device's two chunk numbers equal for all devices. Return the early one "
+    "first.",
 ))
 
 
@@ -302,10 +302,11 @@ def check_causal_pairs(causal_pairs: Callable) -> None:
 
 
 CAUSAL_PAIRS = Puzzle("puzzle: the causal ring step", check_causal_pairs, causal_pairs_solution, (
-    "First, which kv chunks does the device hold? They move one device on per step (i to i + 1), so at step `s` "
-    "device `i` holds those that started on device `(i - s) % n`. A device keeps chunk `i` (contiguous), or "
-    "chunks `i` and `2n - 1 - i` (zig-zag), for its queries and for its keys alike.",
-    "Then each (query chunk `a`, key chunk `b`) pair, every `a` of the device's against every `b` it holds: "
+    "First, which kv chunks does the device hold? They move one device on per step (i to i + 1): at step 1, "
+    "whose chunks does device 0 hold? At step 2? A device keeps chunk `i` (contiguous), or chunks `i` and "
+    "`2n - 1 - i` (zig-zag), for its queries and for its keys alike.",
+    "At step `s` device `i` holds the chunks that started on device `(i - s) % n`. Then each (query chunk `a`, "
+    "key chunk `b`) pair, every `a` of the device's against every `b` it holds: "
     "`b < a` every key is earlier than every query, `FULL`; `b == a` the causal diagonal, `DIAGONAL`; `b > a` no "
     "query sees any key, `SKIP`. A dict comprehension over both builds the answer.",
 ))

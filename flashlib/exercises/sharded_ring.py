@@ -131,14 +131,13 @@ def check_ring_forward(ring_forward: Callable) -> None:
 
 
 RING_FORWARD = Puzzle("puzzle: the ring on a mesh", check_ring_forward, ring_forward_solution, (
-    "Write the body one device runs, `per_device(q, k, v)`, on its chunks `[batch, heads, seq / n, d]`, and "
-    "wrap it: `jax.shard_map(per_device, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)(q, k, v)` with "
-    "`spec = PartitionSpec(None, None, \"seq\")`. `ring_step` works on one head's `[c, d]` arrays: "
-    "`jax.vmap` it twice (batch, then heads; `scale` is not mapped: `in_axes=(0, 0, 0, 0, 0, None)`).",
-    "In the body, start from `out = 0` (`[batch, heads, c, dv]`) and `lse = -inf` (`[batch, heads, c]`), then "
-    "for each of the `n = mesh.shape[\"seq\"]` steps: fold in the chunk you hold with the vmapped `ring_step`, "
-    "and (except after the last fold) pass it on, `k, v = jax.lax.ppermute((k, v), \"seq\", perm=[(i, (i + 1) % "
-    "n) for i in range(n)])`. A Python `for` over `range(n)` is fine: `n` is known when tracing.",
+    "Two pieces: a body that one device runs on its own chunks `[batch, heads, seq / n, d]`, and `jax.shard_map` "
+    "around it, whose `in_specs` and `out_specs` cut axis 2 (the sequence) over the mesh axis `\"seq\"`. "
+    "`ring_step` works on one head's `[c, d]` arrays: inside the body, `jax.vmap` it over batch and over heads "
+    "(`scale` is the same for every head).",
+    "In the body, which of `q`, `k`, `v` and the running `(out, lse)` stay on the device, and which move on with "
+    "`jax.lax.ppermute` after each fold? Of the `n` folds, after which one is there no reason to send anything? A "
+    "Python `for` over `range(n)` is fine: `n` is known when tracing.",
 ))
 
 
