@@ -314,7 +314,7 @@ def test_plot_block_table_draws_an_arrow_per_live_page_and_marks_the_rest():
     arrows = [p for p in fig.axes[0].patches if isinstance(p, FancyArrowPatch)]
     assert len(arrows) == 4 + 2  # ceil(13 / 4) and ceil(6 / 4) live pages
     assert "[0,3] = 0" in texts and "[1,1] = 11" in texts
-    assert "not yet read (table says 3)" in texts and "not yet read (table says 8)" in texts
+    assert "not yet read\n(table says 3)" in texts and "not yet read\n(table says 8)" in texts
     assert {"3  named, not yet read", "8  named, not yet read"} <= set(texts)  # named by sequence 1's row, unread
     assert {"1  free", "4  free", "6  free", "10  free"} <= set(texts) and "7" in texts  # no entry names them
     with pytest.raises(ValueError, match="one length per row"):

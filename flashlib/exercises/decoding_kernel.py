@@ -378,8 +378,8 @@ PAGE_WASTE = Puzzle(
     (
         "A random length ends anywhere in its last page, uniformly: that page may be nearly full or nearly empty. "
         "On average, how many of its slots hold no token?",
-        "The average of the empty slots is half a page. Its share is that count over the 4096 tokens the "
-        "sequence holds, as a fraction (not a percentage).",
+        "The empty slots of the last page range evenly over 0 ... page_size - 1: what is their average? Its "
+        "share is that count over the 4096 tokens the sequence holds, as a fraction (not a percentage).",
     ),
     answer_is_value=True,
 )

@@ -87,8 +87,9 @@ def plot_block_table(block_table: npt.ArrayLike, lengths: Sequence[int], page_si
             _draw_page(ax, 0.0, y, page_size, filled, color)
             ax.text(-0.3, y + 0.5, f"page {j}", ha="right", va="center", fontsize=7)
             if j >= live:
-                ax.text(PAGE_WIDTH + 0.3, y + 0.5, f"not yet read (table says {page})", ha="left", va="center",
-                        fontsize=7, color=PALETTE["skipped"])
+                # two lines, so the label ends left of where the arrows start (PAGE_WIDTH + 3.6)
+                ax.text(PAGE_WIDTH + 0.3, y + 0.5, f"not yet read\n(table says {page})", ha="left", va="center",
+                        fontsize=7, color=PALETTE["skipped"], linespacing=1.0)
                 continue
             owner[page] = (b, filled)
             ax.text(PAGE_WIDTH + 0.3, y + 0.5, f"[{b},{j}] = {page}", ha="left", va="center", fontsize=7)
