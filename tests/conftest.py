@@ -248,19 +248,23 @@ SMOKE_CASE_SHARE = 3
 CODE_PATH_PARAMETERS = ("impl", "topology", "generation", "dtype", "causal", "paged", "kernel")
 
 
+def _case_positions(items, key_of) -> list[tuple[object, int]]:
+    """``(item, position)`` for each item ``key_of`` gives a key (None: not rotated): its 0-based position among
+    the items of its key, in collection order."""
+    seen: dict[object, int] = defaultdict(int)
+    positions = []
+    for item in items:
+        key = key_of(item)
+        if key is not None:
+            positions.append((item, seen[key]))
+            seen[key] += 1
+    return positions
+
+
 def _every_nth(items, key_of, n: int) -> set[str]:
     """Of the items ``key_of`` gives a key (None: not rotated), all but the 1st, (n+1)th, (2n+1)th... of each
     key, in collection order: the ones the smoke environment deselects."""
-    seen: dict[object, int] = defaultdict(int)
-    out = set()
-    for item in items:
-        key = key_of(item)
-        if key is None:
-            continue
-        if seen[key] % n:
-            out.add(item.nodeid)
-        seen[key] += 1
-    return out
+    return {item.nodeid for item, position in _case_positions(items, key_of) if position % n}
 
 
 def _case_key(item):
@@ -301,17 +305,8 @@ def _checker_cases_run_by_the_smoke_environment(items) -> set[str]:
     if SEARCH_MODE == "smoke":
         return set()
     exercises = [item for item in items if item.nodeid.startswith("tests/test_exercises_")]
-    rotated = _every_nth(exercises, _case_key, SMOKE_CASE_SHARE)
-    first: set[object] = set()
-    out = set()
-    for item in exercises:
-        key = _case_key(item)
-        if key is None or item.nodeid in rotated:
-            continue
-        if key in first:
-            out.add(item.nodeid)
-        first.add(key)
-    return out
+    return {item.nodeid for item, position in _case_positions(exercises, _case_key)
+            if position and position % SMOKE_CASE_SHARE == 0}  # what _every_nth keeps there, but the first
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
